@@ -1,0 +1,30 @@
+"""One module per upstream diffusers defect; ``sp_diffusers.install()`` applies those the installed
+diffusers needs, in this order, and ``uninstall()`` reverts them in reverse.
+
+Each module has: a docstring (defect, affected versions, upstream reference), ``NAME``, ``AFFECTED``,
+``UPSTREAM``, ``probe() -> Probe``, ``apply()``, ``revert()`` and ``is_applied()``; apply and revert are
+idempotent. Importing a patch module changes nothing.
+"""
+
+from __future__ import annotations
+
+from . import (
+    backend_leak,
+    cpu_device_count,
+    mesh_injection,
+    native_ulysses,
+    qwenimage_joint_mask,
+    root_hook_return_dict,
+)
+from ._base import Probe
+
+ALL_PATCHES = (
+    cpu_device_count,
+    root_hook_return_dict,
+    mesh_injection,
+    qwenimage_joint_mask,
+    backend_leak,
+    native_ulysses,
+)
+
+__all__ = ["ALL_PATCHES", "Probe"]

@@ -1,0 +1,49 @@
+"""sp-diffusers: exact Ulysses sequence parallelism for diffusers transformers, for RL training.
+
+    import sp_diffusers
+    print(sp_diffusers.install())            # registers "ulysses_sdpa", applies the patches diffusers needs
+    model.set_attention_backend("ulysses_sdpa")
+    model.enable_parallelism(config=sp_diffusers.context_parallel_config(ulysses_degree=2))
+
+Importing this package changes nothing in diffusers or torch; ``install()`` does, ``uninstall()`` undoes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+BACKEND_NAME = "ulysses_sdpa"
+
+__all__ = [
+    "BACKEND_NAME",
+    "InstallReport",
+    "__version__",
+    "build_device_mesh",
+    "context_parallel_config",
+    "install",
+    "uninstall",
+]
+
+_LAZY = {
+    "install": ("install", "install"),
+    "uninstall": ("install", "uninstall"),
+    "is_installed": ("install", "is_installed"),
+    "InstallReport": ("install", "InstallReport"),
+    "context_parallel_config": ("compat", "context_parallel_config"),
+    "build_device_mesh": ("mesh", "build_device_mesh"),
+    "ulysses_sdpa_attention": ("attention", "ulysses_sdpa_attention"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import sp_diffusers` stays cheap and side-effect free (no diffusers import).
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,268 @@
+"""The Ulysses SDPA context-parallel attention backend (registered with diffusers as ``ulysses_sdpa``).
+
+Inside a diffusers model under ``enable_parallelism``, attention receives ``[B, S/P, H, D]`` per rank:
+
+1. one all-to-all turns q, k, v into ``[B, S, H/P, D]`` (K/V keep their own, possibly fewer, heads);
+2. ``torch.nn.functional.scaled_dot_product_attention`` runs on the local heads over the whole
+   sequence under autograd, so backward is SDPA's own: no recomputation, nothing hand-derived;
+3. one all-to-all returns the output to ``[B, S/P, H, D]``.
+
+Masks are normalised to SDPA's 4-D form ``[b, h, q, k]`` (b in {1, B}, h in {1, H}); a dim that has
+the local length is all-gathered (a key-padding mask stays O(S)), per-head masks are sliced to the
+local heads. Heads that do not divide P are zero-padded (padded heads are dropped, so the result is
+exact); GQA keeps K/V compact when H_kv divides P. Glossary of dimension letters: ``sp_diffusers.comm``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .comm import all_gather_along, gather_ints, heads_to_seq, seq_to_heads
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diffusers.models._modeling_parallel import ParallelConfig
+
+__all__ = ["UlyssesAttentionError", "local_sdpa_attention", "ulysses_sdpa_attention"]
+
+
+class UlyssesAttentionError(ValueError):
+    """Bad input to the Ulysses backend; the message names the parameter, its value and the fix."""
+
+
+def _context_parallel_config(parallel_config: Any):
+    if parallel_config is None:
+        return None
+    return getattr(parallel_config, "context_parallel_config", None)
+
+
+def _key_padding_to_4d(mask: torch.Tensor, batch: int, kv_lens: tuple[int, ...]) -> torch.Tensor:
+    """diffusers' convention: a 2-D mask ``[B, S_kv]`` is a key-padding mask, i.e. ``[B, 1, 1, S_kv]``;
+    any other mask follows SDPA's broadcasting (leading dims added on the left)."""
+    if mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] in kv_lens:
+        return mask[:, None, None, :]
+    if mask.dim() > 4:
+        raise UlyssesAttentionError(
+            f"attn_mask has {mask.dim()} dims (shape {tuple(mask.shape)}); SDPA masks have at most 4: "
+            "pass [B, S_kv], [B, 1, 1, S_kv], [B, 1, S_q, S_kv] or [B, H, S_q, S_kv]"
+        )
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask
+
+
+def local_sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Plain SDPA on ``[B, S, H, D]`` tensors with diffusers' mask conventions (the single-process path)."""
+    if attn_mask is not None:
+        attn_mask = _key_padding_to_4d(attn_mask, query.shape[0], (key.shape[1],))
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa or key.shape[2] != query.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _validate_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, world: int) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4:
+            raise UlyssesAttentionError(
+                f"{name} must be 4-D [B, S_local, H, D], got shape {tuple(t.shape)}; "
+                "diffusers processors pass heads unflattened (tensor.unflatten(2, (heads, -1)))"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise UlyssesAttentionError(
+            f"query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype}); "
+            "cast them to one dtype before attention"
+        )
+    if not (query.device == key.device == value.device):
+        raise UlyssesAttentionError(
+            f"query/key/value are on different devices ({query.device}, {key.device}, {value.device})"
+        )
+    if key.shape != value.shape:
+        raise UlyssesAttentionError(
+            f"key shape {tuple(key.shape)} != value shape {tuple(value.shape)}; ulysses_sdpa needs equal K/V shapes"
+        )
+    if key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
+        raise UlyssesAttentionError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} disagree in batch or head dim"
+        )
+    heads, kv_heads = query.shape[2], key.shape[2]
+    if kv_heads != heads:
+        if heads % kv_heads:
+            raise UlyssesAttentionError(
+                f"GQA needs the query heads ({heads}) to be a multiple of the key/value heads ({kv_heads})"
+            )
+        if kv_heads % world:
+            raise UlyssesAttentionError(
+                f"key/value heads H_kv={kv_heads} are not divisible by ulysses_degree={world}; "
+                f"fix: use a ulysses_degree that divides {kv_heads}, or repeat K/V to {heads} heads "
+                "(key.repeat_interleave(H // H_kv, dim=2)) before attention"
+            )
+
+
+def _prepare_mask(
+    attn_mask: torch.Tensor,
+    *,
+    batch: int,
+    heads: int,
+    padded_heads: int,
+    s_q_local: int,
+    s_kv_local: int,
+    world: int,
+    rank: int,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Any SDPA mask, local- or global-length -> a ``[b, h, S_q, S_kv]`` mask for this rank's heads.
+
+    A dim that is already 1 stays 1 (broadcast), so a key-padding mask never becomes O(S^2).
+    """
+    s_q, s_kv = s_q_local * world, s_kv_local * world
+    mask = _key_padding_to_4d(attn_mask, batch, (s_kv_local, s_kv))
+    b, h, q, k = mask.shape
+    expected = (
+        f"expected [b, h, q, k] with b in (1, {batch}), h in (1, {heads}), q in (1, {s_q_local} local, "
+        f"{s_q} global), k in (1, {s_kv_local} local, {s_kv} global)"
+    )
+    if (
+        b not in (1, batch)
+        or h not in (1, heads)
+        or q not in (1, s_q_local, s_q)
+        or k not in (1, s_kv_local, s_kv)
+    ):
+        raise UlyssesAttentionError(
+            f"attn_mask shape {tuple(attn_mask.shape)} fits neither local nor global lengths: {expected}"
+        )
+    gather_q = q == s_q_local and q != 1
+    gather_k = k == s_kv_local and k != 1
+    if gather_q and gather_k:
+        raise UlyssesAttentionError(
+            f"attn_mask shape {tuple(attn_mask.shape)} has the local length on both the query ({q}) and the "
+            "key dim: it only covers this rank's diagonal block of the global mask. Pass the global mask "
+            f"[.., {s_q}, {s_kv}], the rows of the local queries [.., {s_q_local}, {s_kv}], or a key-padding mask"
+        )
+    if gather_q:
+        mask = all_gather_along(mask, 2, group)
+    if gather_k:
+        mask = all_gather_along(mask, 3, group)
+    if h == heads and heads > 1:
+        if padded_heads != heads:
+            neutral = torch.ones if mask.dtype == torch.bool else torch.zeros
+            pad = neutral(
+                (b, padded_heads - heads, mask.shape[2], mask.shape[3]), dtype=mask.dtype, device=mask.device
+            )
+            mask = torch.cat([mask, pad], dim=1)
+        h_l = padded_heads // world
+        mask = mask[:, rank * h_l : (rank + 1) * h_l]
+    return mask
+
+
+def ulysses_sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    _parallel_config: ParallelConfig | None = None,
+) -> torch.Tensor:
+    """Attention on ``[B, S/P, H, D]`` per rank, exact w.r.t. SDPA on the unsharded ``[B, S, H, D]``.
+
+    Without a context-parallel config (or with degree 1) it is plain SDPA. The signature declares every
+    argument diffusers' dispatcher may pass: the dispatcher silently drops undeclared ones.
+    """
+    if return_lse:
+        raise UlyssesAttentionError(
+            "return_lse=True is not supported by ulysses_sdpa: torch's SDPA does not return the log-sum-exp. "
+            "Fix: call it with return_lse=False (ring attention, which needs it, is not served by this backend)"
+        )
+    cp = _context_parallel_config(_parallel_config)
+    if cp is None or (cp.ulysses_degree == 1 and cp.ring_degree == 1):
+        return local_sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if cp.ring_degree != 1:
+        raise UlyssesAttentionError(
+            f"ring_degree={cp.ring_degree} is not supported by ulysses_sdpa; fix: ring_degree=1 (Ulysses only), "
+            "or keep diffusers' 'native' backend for ring attention"
+        )
+    if attn_mask is not None and is_causal:
+        raise UlyssesAttentionError(
+            "pass either attn_mask or is_causal=True, not both (SDPA refuses the pair)"
+        )
+
+    group = cp._ulysses_mesh.get_group()
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    _validate_qkv(query, key, value, world)
+
+    if getattr(cp, "ulysses_anything", False):
+        _check_even_lengths(query, key, group)
+
+    batch, s_q_local, heads, _ = query.shape
+    kv_heads = key.shape[2]
+    padded_heads = heads
+    if kv_heads == heads and heads % world:
+        # Zero heads attend uniformly to zero values: their output is zero and is dropped below, and no
+        # gradient reaches them, so padding changes no number of the real heads.
+        padded_heads = -(-heads // world) * world
+        pad = (0, 0, 0, padded_heads - heads)
+        query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
+
+    if attn_mask is not None:
+        attn_mask = _prepare_mask(
+            attn_mask,
+            batch=batch,
+            heads=heads,
+            padded_heads=padded_heads,
+            s_q_local=s_q_local,
+            s_kv_local=key.shape[1],
+            world=world,
+            rank=rank,
+            group=group,
+        )
+
+    q, k, v = seq_to_heads([query, key, value], group)  # [B, S, H/P, D] (K/V: H_kv/P)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=kv_heads != heads,
+    ).transpose(1, 2)
+    (out,) = heads_to_seq([out], group)  # [B, S/P, H_padded, D]
+    if padded_heads != heads:
+        out = out[:, :, :heads]
+    return out
+
+
+def _check_even_lengths(query: torch.Tensor, key: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``ulysses_anything`` may hand ranks different local lengths; say so instead of hanging or erring later."""
+    sizes = gather_ints([query.shape[1], key.shape[1]], group, query.device)
+    if any(s != sizes[0] for s in sizes):
+        raise UlyssesAttentionError(
+            f"local sequence lengths differ across the Ulysses group (per rank [S_q, S_kv]: {sizes}); "
+            "ulysses_sdpa needs S divisible by ulysses_degree. Fix: pad the sequence to a multiple of the "
+            "ulysses_degree (sp_diffusers.padding), or choose a ulysses_degree that divides it"
+        )

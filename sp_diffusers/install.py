@@ -1,0 +1,102 @@
+"""``install()`` / ``uninstall()``: register the backend and apply exactly the patches diffusers needs."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .compat import check_supported, diffusers_version
+from .registry import BACKEND_NAME, register_backend, unregister_backend
+
+__all__ = ["InstallReport", "PatchStatus", "install", "is_installed", "uninstall"]
+
+_lock = threading.Lock()
+_report: InstallReport | None = None
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    name: str
+    applied: bool
+    reason: str
+    affected: str
+    upstream: str
+
+
+@dataclass(frozen=True)
+class InstallReport:
+    """What ``install()`` did: diffusers' version, the backend, each patch applied or skipped and why."""
+
+    diffusers_version: str
+    backend: str
+    patches: tuple[PatchStatus, ...] = field(default_factory=tuple)
+
+    @property
+    def applied(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.patches if p.applied)
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.patches if not p.applied)
+
+    def __str__(self) -> str:
+        lines = [
+            f"sp-diffusers install: diffusers {self.diffusers_version}",
+            f"  backend   {self.backend!r} registered (context-parallel capable)",
+        ]
+        for p in self.patches:
+            verb = "applied" if p.applied else "skipped"
+            lines.append(f"  {verb:<9} {p.name:<22} {p.reason}")
+        return "\n".join(lines)
+
+
+def install() -> InstallReport:
+    """Register ``ulysses_sdpa`` with diffusers and apply the patches the installed version needs.
+
+    Idempotent: a second call changes nothing and returns the same report. Importing ``sp_diffusers``
+    patches nothing; only this call does.
+    """
+    global _report
+    with _lock:
+        if _report is not None:
+            return _report
+        from .patches import ALL_PATCHES
+
+        version = check_supported()
+        register_backend()
+        statuses = []
+        try:
+            for patch in ALL_PATCHES:
+                result = patch.probe()
+                if result.needed:
+                    patch.apply()
+                statuses.append(
+                    PatchStatus(patch.NAME, result.needed, result.reason, patch.AFFECTED, patch.UPSTREAM)
+                )
+        except Exception:
+            for patch in reversed(ALL_PATCHES):
+                patch.revert()
+            unregister_backend()
+            raise
+        _report = InstallReport(str(version), BACKEND_NAME, tuple(statuses))
+        return _report
+
+
+def uninstall() -> None:
+    """Revert every patch (newest first) and remove the backend from diffusers. Idempotent."""
+    global _report
+    with _lock:
+        from .patches import ALL_PATCHES
+
+        for patch in reversed(ALL_PATCHES):
+            patch.revert()
+        unregister_backend()
+        _report = None
+
+
+def is_installed() -> bool:
+    return _report is not None
+
+
+def installed_version() -> str:
+    return str(diffusers_version())

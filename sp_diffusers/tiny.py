@@ -1,0 +1,156 @@
+"""Tiny models from real diffusers classes with small configs, and inputs that fit them.
+
+For the embedded default (demo, trainer), the tests and the benchmarks: no weights are downloaded.
+Every model here has a context-parallel plan in every supported diffusers version; token counts are
+multiples of 4 so Ulysses degrees 1, 2 and 4 all divide them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from .compat import diffusers_version
+
+TINY_MODELS = ("qwenimage", "flux", "wan")
+
+__all__ = ["TINY_MODELS", "tiny_inputs", "tiny_model", "tiny_model_config"]
+
+
+def tiny_model_config(kind: str, **overrides: Any) -> dict[str, Any]:
+    """The constructor kwargs of the tiny ``kind`` model (``overrides`` replace defaults)."""
+    if kind == "qwenimage":
+        config = dict(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        )
+    elif kind == "flux":
+        config = dict(
+            patch_size=1,
+            in_channels=16,
+            out_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            pooled_projection_dim=16,
+            axes_dims_rope=(4, 6, 6),
+        )
+    elif kind == "wan":
+        config = dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=4,
+            attention_head_dim=16,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=64,
+            num_layers=2,
+            rope_max_seq_len=32,
+        )
+    else:
+        raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
+    config.update(overrides)
+    return config
+
+
+def _model_class(kind: str):
+    if kind == "qwenimage":
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel
+    if kind == "flux":
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+    if kind == "wan":
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel
+    raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
+
+
+def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
+    """A randomly initialised tiny ``kind`` transformer (identical on every rank for the same seed)."""
+    cls = _model_class(kind)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(**tiny_model_config(kind, **overrides))
+        # Some blocks zero-initialise their output projections (adaLN-zero); random weights make every
+        # parameter matter for gradient checks.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.2)
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def _text_mask(batch: int, text_len: int, generator: torch.Generator) -> torch.Tensor:
+    """Ragged bool key-padding mask: the first sample is full, the others shorter (never empty)."""
+    lengths = [text_len] + torch.randint(max(1, text_len // 3), text_len, (batch - 1,), generator=generator).tolist()
+    return torch.arange(text_len)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def tiny_inputs(
+    kind: str,
+    model: torch.nn.Module,
+    batch: int = 2,
+    seed: int = 0,
+    text_len: int = 8,
+    image_hw: tuple[int, int] = (8, 8),
+    frames: int = 2,
+    ragged_text: bool = True,
+) -> dict[str, Any]:
+    """Forward kwargs for the tiny model (identical on every rank for the same seed).
+
+    ``image_hw`` is the latent height/width before patching; ``text_len`` the (padded) text length.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    t = torch.rand(batch, generator=g) * 1000.0
+    if kind == "qwenimage":
+        h, w = image_hw[0] // cfg.patch_size, image_hw[1] // cfg.patch_size
+        inputs: dict[str, Any] = dict(
+            hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+            encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g),
+            timestep=t / 1000.0,
+            img_shapes=[[(1, h, w)]] * batch,
+        )
+        mask = _text_mask(batch, text_len, g) if ragged_text else torch.ones(batch, text_len, dtype=torch.bool)
+        inputs["encoder_hidden_states_mask"] = mask
+        params = inspect.signature(type(model).forward).parameters
+        if "txt_seq_lens" in params and diffusers_version().release < (0, 37):
+            # 0.36 sizes the text RoPE from txt_seq_lens (and ignores the mask): use the padded length.
+            inputs["txt_seq_lens"] = [text_len] * batch
+    elif kind == "flux":
+        h, w = image_hw
+        img_ids = torch.zeros(h, w, 3)
+        img_ids[..., 1] = torch.arange(h)[:, None]
+        img_ids[..., 2] = torch.arange(w)[None, :]
+        inputs = dict(
+            hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+            encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g),
+            pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g),
+            timestep=t / 1000.0,
+            img_ids=img_ids.reshape(h * w, 3),
+            txt_ids=torch.zeros(text_len, 3),
+        )
+    elif kind == "wan":
+        inputs = dict(
+            hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),
+            timestep=t,
+            encoder_hidden_states=torch.randn(batch, text_len, cfg.text_dim, generator=g),
+        )
+    else:
+        raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
+    return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}

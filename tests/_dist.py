@@ -1,0 +1,121 @@
+"""Run a function on N real processes (gloo, spawn), collect what each rank returns, never hang.
+
+Workers are named ``"package.module:function"`` and imported in the child after ``sys_path`` entries are
+prepended, so a child can run against another diffusers version (the compatibility matrix) than the
+parent pytest process has imported. Every collective runs under the process-group timeout, and the
+parent kills all ranks when the whole run exceeds ``timeout``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class DistributedFailure(AssertionError):
+    pass
+
+
+def _child(
+    rank: int, world: int, init_file: str, target: str, args: tuple, sys_path: Sequence[str], env: dict, q
+) -> None:
+    for p in reversed(sys_path):
+        sys.path.insert(0, p)
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(os.environ.get("SP_TEST_THREADS", "1")))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=float(os.environ.get("SP_TEST_COLLECTIVE_TIMEOUT", "120"))),
+        )
+        module, func = target.split(":")
+        result = getattr(importlib.import_module(module), func)(rank, world, *args)
+        q.put((rank, "ok", result))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(
+    target: str,
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+    sys_path: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``target(rank, world_size, *args)`` on ``world_size`` spawned processes; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(r, world_size, init_file, target, args, list(sys_path), dict(env or {}), q),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        try:
+            while len(results) + len(errors) < world_size:
+                remaining = (deadline - datetime.datetime.now()).total_seconds()
+                if remaining <= 0:
+                    if errors:
+                        break  # peers of a failed rank are stuck in a collective; report the failure
+                    raise DistributedFailure(
+                        f"{target} on {world_size} ranks did not finish within {timeout:.0f}s "
+                        f"(finished ranks: {sorted(results) + sorted(errors)})"
+                    )
+                try:
+                    rank, status, payload = q.get(timeout=min(remaining, 5.0))
+                except queue.Empty:
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    missing = [i for i in dead if i not in results and i not in errors]
+                    if missing:
+                        raise DistributedFailure(
+                            f"rank(s) {missing} of {target} died (exit codes "
+                            f"{[procs[i].exitcode for i in missing]})"
+                        ) from None
+                    continue
+                (results if status == "ok" else errors)[rank] = payload
+                if status != "ok":
+                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if errors:
+        first = min(errors)
+        raise DistributedFailure(f"{target}: rank {first} failed:\n{errors[first]}")
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,76 @@
+"""Op level: the all-to-all and ``ulysses_sdpa_attention`` vs full-sequence SDPA, on real gloo ranks.
+
+Tolerances: the all-to-all moves values, so placement is checked exactly (0.0). Attention runs the same
+SDPA kernel on the same per-head data as the reference, only the number of heads per call differs, so
+fp32 results agree to rounding: atol 2e-6 (values are O(1); the model-level bar is 1e-5).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from ._dist import run_distributed
+
+WORLDS = (2, 4)
+ATOL = 2e-6
+
+
+@functools.cache
+def _run(target: str, world: int):
+    return run_distributed(f"tests.workers.attention_ops:{target}", world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all_placement_and_inverse(world):
+    for rank_result in _run("all_to_all_checks", world):
+        for name, err in rank_result.items():
+            assert err == 0.0, f"P={world} {name}: max error {err}"
+
+
+def _case_names():
+    from .workers.attention_ops import _cases
+
+    return [c["name"] for c in _cases(2)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", _case_names())
+def test_attention_parity(world, case):
+    for rank, rank_result in enumerate(_run("attention_parity", world)):
+        errs = rank_result[case]
+        for what in ("out", "dq", "dk", "dv"):
+            assert errs[what] <= ATOL, (
+                f"P={world} rank {rank} {case}: {what} max error {errs[what]:.3e} > {ATOL}"
+            )
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dropout_is_not_ignored(world):
+    for r in _run("dropout_is_applied", world):
+        assert r["dropout_changes_output"] > 1e-3
+        assert r["no_dropout_repeatable"] == 0.0
+
+
+EXPECTED_WORDS = {
+    "return_lse": ["return_lse", "Fix"],
+    "dtype_mismatch": ["dtype", "float32", "float64"],
+    "mask_wrong_shape": ["attn_mask", "local", "global"],
+    "mask_local_both_dims": ["local length", "key-padding"],
+    "mask_5d": ["attn_mask", "5 dims"],
+    "gqa_kv_heads_not_divisible": ["H_kv=3", "ulysses_degree", "fix"],
+    "mask_and_causal": ["is_causal", "attn_mask"],
+    "three_dim_query": ["4-D", "query"],
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_inputs_raise_clear_errors(world):
+    for messages in _run("bad_inputs", world):
+        assert set(messages) == set(EXPECTED_WORDS)
+        for name, words in EXPECTED_WORDS.items():
+            msg = messages[name]
+            assert msg is not None, f"{name}: no error raised"
+            for w in words:
+                assert w in msg, f"{name}: {w!r} missing from error: {msg}"

@@ -1,0 +1,247 @@
+"""Op-level checks of the all-to-all and of ``ulysses_sdpa_attention`` against full-sequence SDPA.
+
+Each rank builds the same global tensors from a fixed seed, computes the single-process reference on
+them, runs the sharded op on its slice, and reports max errors; the parent asserts. One process group
+runs every case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .common import max_err, shard, ulysses_parallel_config
+
+
+def _encode(b: int, s: int, h: int, d: int) -> torch.Tensor:
+    """Values that spell out (batch, seq, head, dim), so any misplaced element is caught exactly."""
+    bi = torch.arange(b).view(b, 1, 1, 1) * 1_000_000
+    si = torch.arange(s).view(1, s, 1, 1) * 1_000
+    hi = torch.arange(h).view(1, 1, h, 1) * 10
+    di = torch.arange(d).view(1, 1, 1, d)
+    return (bi + si + hi + di).to(torch.float64)
+
+
+def all_to_all_checks(rank: int, world: int) -> dict:
+    from sp_diffusers.comm import heads_to_seq, seq_to_heads
+
+    group = dist.group.WORLD
+    out: dict[str, float] = {}
+    B, S, H, D = 2, 4 * world, 2 * world, 3
+    full = _encode(B, S, H, D)
+    local = shard(full, 1, rank, world)
+    (x,) = seq_to_heads([local], group)
+    expected = full[:, :, rank * H // world : (rank + 1) * H // world]
+    out["seq_to_heads_placement"] = max_err(x, expected)
+    (back,) = heads_to_seq([x], group)
+    out["round_trip"] = max_err(back, local)
+
+    # Fused exchange of tensors with different heads, head dims and sequence lengths == one at a time.
+    q = _encode(B, S, H, D)
+    k = _encode(B, 2 * S, world, 5) + 0.5
+    v = _encode(B, S, 3 * world, D) + 0.25
+    locals_ = [shard(t, 1, rank, world) for t in (q, k, v)]
+    fused = seq_to_heads(locals_, group)
+    separate = [seq_to_heads([t], group)[0] for t in locals_]
+    out["fused_equals_separate"] = max(max_err(a, b) for a, b in zip(fused, separate, strict=True))
+    for name, t, got in zip("qkv", (q, k, v), fused, strict=True):
+        h_l = t.shape[2] // world
+        out[f"fused_placement_{name}"] = max_err(got, t[:, :, rank * h_l : (rank + 1) * h_l])
+    back = heads_to_seq(fused, group)
+    out["fused_round_trip"] = max(max_err(a, b) for a, b in zip(back, locals_, strict=True))
+
+    # Backward of seq_to_heads is the inverse exchange: d/dx <y, g> with g encoding positions.
+    src = local.clone().requires_grad_(True)
+    (y,) = seq_to_heads([src], group)
+    g = _encode(B, S, H // world, D)
+    (y * g).sum().backward()
+    grad_full = torch.zeros(B, S, H, D, dtype=torch.float64)
+    grads = [torch.zeros_like(g) for _ in range(world)]
+    dist.all_gather(grads, g.contiguous())
+    for r in range(world):
+        grad_full[:, :, r * H // world : (r + 1) * H // world] = grads[r]
+    out["backward_is_inverse"] = max_err(src.grad, shard(grad_full, 1, rank, world))
+    return out
+
+
+def _case_tensors(seed: int, B: int, S_q: int, S_kv: int, H: int, H_kv: int, D: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S_q, H, D, generator=g)
+    k = torch.randn(B, S_kv, H_kv, D, generator=g)
+    v = torch.randn(B, S_kv, H_kv, D, generator=g)
+    dout = torch.randn(B, S_q, H, D, generator=g)
+    return q, k, v, dout
+
+
+def _padding_mask(B: int, S_kv: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(S_kv // 3, S_kv + 1, (B,), generator=g)
+    return torch.arange(S_kv)[None, :] < lengths[:, None]  # [B, S_kv] bool, ragged
+
+
+def _cases(world: int) -> list[dict]:
+    """Every case of the issue's item 3; masks are built on global tensors, then passed local or global."""
+    S, H, D = 8 * world, 2 * world, 16
+    cases: list[dict] = []
+
+    def add(name, **kw):
+        base = dict(
+            B=2, S_q=S, S_kv=S, H=H, H_kv=H, D=D, mask=None, local_mask_dims=(), is_causal=False, scale=None
+        )
+        base.update(kw)
+        base["name"] = name
+        cases.append(base)
+
+    add("plain")
+    add("batch1", B=1)
+    add("batch3", B=3)
+    add("scale", scale=0.3)
+    add("causal", is_causal=True)
+    add("key_padding_2d_global_bool", mask="kp2d")
+    add("key_padding_2d_local_bool", mask="kp2d", local_mask_dims=(-1,))
+    add("key_padding_4d_global_bool", mask="kp4d")
+    add("key_padding_4d_local_bool", mask="kp4d", local_mask_dims=(-1,))
+    add("key_padding_4d_global_additive", mask="kp4d_add")
+    add("key_padding_4d_local_additive", mask="kp4d_add", local_mask_dims=(-1,))
+    add("full_4d_global_bool", mask="full")
+    add("full_4d_local_rows_bool", mask="full", local_mask_dims=(-2,))
+    add("full_4d_global_additive", mask="full_add")
+    add("broadcast_2d_sq_skv", mask="sq_skv", B=3)
+    add("per_head_global_bool", mask="per_head")
+    add("per_head_local_rows_bool", mask="per_head", local_mask_dims=(-2,))
+    add("per_head_global_additive", mask="per_head_add")
+    add("cross_attention", S_kv=2 * S)
+    add("cross_attention_short_kv", S_q=2 * S, S_kv=S)
+    add("cross_attention_key_padding_local", S_kv=2 * S, mask="kp2d", local_mask_dims=(-1,))
+    add("cross_attention_per_head", S_kv=2 * S, mask="per_head")
+    add("cross_attention_causal", S_kv=2 * S, is_causal=True)
+    add("gqa", H=2 * world, H_kv=world)
+    add("gqa_key_padding_local", H=4 * world, H_kv=world, mask="kp2d", local_mask_dims=(-1,))
+    add("gqa_per_head_mask", H=2 * world, H_kv=world, mask="per_head")
+    add("heads_not_divisible", H=world + 1, H_kv=world + 1)
+    add("heads_not_divisible_per_head_mask", H=2 * world - 1, H_kv=2 * world - 1, mask="per_head")
+    add("heads_not_divisible_key_padding", H=world + 1, H_kv=world + 1, mask="kp2d", local_mask_dims=(-1,))
+    return cases
+
+
+def _build_mask(kind: str | None, c: dict, seed: int) -> torch.Tensor | None:
+    B, S_q, S_kv, H = c["B"], c["S_q"], c["S_kv"], c["H"]
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "kp2d":
+        return _padding_mask(B, S_kv, seed)
+    if kind == "kp4d":
+        return _padding_mask(B, S_kv, seed)[:, None, None, :]
+    if kind == "kp4d_add":
+        m = _padding_mask(B, S_kv, seed)[:, None, None, :]
+        return torch.zeros(m.shape).masked_fill(~m, float("-inf"))
+    if kind in ("full", "per_head"):
+        h = H if kind == "per_head" else 1
+        m = torch.rand(B, h, S_q, S_kv, generator=g) > 0.3
+        m[..., 0] = True  # no fully masked row (SDPA returns NaN there in both paths)
+        return m
+    if kind == "full_add":
+        return torch.randn(B, 1, S_q, S_kv, generator=g)
+    if kind == "per_head_add":
+        return torch.randn(B, H, S_q, S_kv, generator=g)
+    if kind == "sq_skv":
+        m = torch.rand(S_q, S_kv, generator=g) > 0.3
+        m[..., 0] = True
+        return m
+    raise ValueError(kind)
+
+
+def attention_parity(rank: int, world: int) -> dict:
+    from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
+
+    config = ulysses_parallel_config(world)
+    results: dict[str, dict[str, float]] = {}
+    for i, c in enumerate(_cases(world)):
+        q, k, v, dout = _case_tensors(100 + i, c["B"], c["S_q"], c["S_kv"], c["H"], c["H_kv"], c["D"])
+        mask = _build_mask(c["mask"], c, 200 + i)
+        kw = dict(is_causal=c["is_causal"], scale=c["scale"])
+
+        # single-process reference on the full tensors
+        ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = local_sdpa_attention(*ref_in, attn_mask=mask, **kw)
+        ref.backward(dout)
+
+        sp_in = [shard(t, 1, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
+        sp_mask = mask
+        for dim in c["local_mask_dims"]:
+            sp_mask = shard(sp_mask, dim, rank, world)
+        out = ulysses_sdpa_attention(*sp_in, attn_mask=sp_mask, _parallel_config=config, **kw)
+        out.backward(shard(dout, 1, rank, world))
+        results[c["name"]] = {
+            "out": max_err(out, shard(ref, 1, rank, world)),
+            "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, rank, world)),
+            "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, rank, world)),
+            "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, rank, world)),
+            "ref_scale": ref.abs().max().item(),
+        }
+    return results
+
+
+def dropout_is_applied(rank: int, world: int) -> dict:
+    """dropout_p > 0 must change the result (never silently ignored); p = 0 must not."""
+    from sp_diffusers.attention import ulysses_sdpa_attention
+
+    config = ulysses_parallel_config(world)
+    q, k, v, _ = _case_tensors(7, 1, 8 * world, 8 * world, 2 * world, 2 * world, 8)
+    q, k, v = (shard(t, 1, rank, world) for t in (q, k, v))
+    torch.manual_seed(rank)
+    no_drop = ulysses_sdpa_attention(q, k, v, _parallel_config=config)
+    dropped = ulysses_sdpa_attention(q, k, v, dropout_p=0.5, _parallel_config=config)
+    again = ulysses_sdpa_attention(q, k, v, dropout_p=0.0, _parallel_config=config)
+    return {
+        "dropout_changes_output": max_err(no_drop, dropped),
+        "no_dropout_repeatable": max_err(no_drop, again),
+    }
+
+
+def bad_inputs(rank: int, world: int) -> dict:
+    """Each bad input raises on every rank, before any collective, with a message naming the fix."""
+    from sp_diffusers.attention import ulysses_sdpa_attention
+
+    config = ulysses_parallel_config(world)
+    S, H, D = 4 * world, 2 * world, 8
+    q = torch.randn(2, S // world, H, D)
+    kv = torch.randn(2, S // world, H, D)
+    cases = {
+        "return_lse": lambda: ulysses_sdpa_attention(q, kv, kv, return_lse=True, _parallel_config=config),
+        "dtype_mismatch": lambda: ulysses_sdpa_attention(q, kv.double(), kv, _parallel_config=config),
+        "mask_wrong_shape": lambda: ulysses_sdpa_attention(
+            q, kv, kv, attn_mask=torch.ones(2, S + 1, dtype=torch.bool), _parallel_config=config
+        ),
+        "mask_local_both_dims": lambda: ulysses_sdpa_attention(
+            q,
+            kv,
+            kv,
+            attn_mask=torch.ones(2, 1, S // world, S // world, dtype=torch.bool),
+            _parallel_config=config,
+        ),
+        "mask_5d": lambda: ulysses_sdpa_attention(
+            q, kv, kv, attn_mask=torch.ones(1, 2, 1, 1, S, dtype=torch.bool), _parallel_config=config
+        ),
+        "gqa_kv_heads_not_divisible": lambda: ulysses_sdpa_attention(
+            torch.randn(2, S // world, 3 * world, D) if world > 1 else q,
+            torch.randn(2, S // world, 3, D),
+            torch.randn(2, S // world, 3, D),
+            _parallel_config=config,
+        ),
+        "mask_and_causal": lambda: ulysses_sdpa_attention(
+            q, kv, kv, attn_mask=torch.ones(2, S, dtype=torch.bool), is_causal=True, _parallel_config=config
+        ),
+        "three_dim_query": lambda: ulysses_sdpa_attention(q.flatten(2), kv, kv, _parallel_config=config),
+    }
+    messages = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except ValueError as err:
+            messages[name] = str(err)
+        else:
+            messages[name] = None
+    dist.barrier()  # every rank got here: no rank is stuck in a collective
+    return messages

@@ -1,0 +1,27 @@
+"""Helpers shared by the distributed test workers (imported inside spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def ulysses_parallel_config(ulysses_degree: int, ring_degree: int = 1, mesh=None):
+    """A real diffusers ``ParallelConfig`` set up the way ``enable_parallelism`` does, without a model."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (ring_degree, ulysses_degree), mesh_dim_names=("ring", "ulysses"))
+    cp = ContextParallelConfig(ulysses_degree=ulysses_degree, ring_degree=ring_degree)
+    config = ParallelConfig(context_parallel_config=cp)
+    config.setup(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), mesh=mesh)
+    return config
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    return x.chunk(world, dim=dim)[rank]
