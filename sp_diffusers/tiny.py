@@ -80,7 +80,9 @@ def _model_class(kind: str):
     raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
 
 
-def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
+def tiny_model(
+    kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> torch.nn.Module:
     """A randomly initialised tiny ``kind`` transformer (identical on every rank for the same seed)."""
     cls = _model_class(kind)
     with torch.random.fork_rng(devices=[]):
@@ -96,7 +98,10 @@ def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, **o
 
 def _text_mask(batch: int, text_len: int, generator: torch.Generator) -> torch.Tensor:
     """Ragged bool key-padding mask: the first sample is full, the others shorter (never empty)."""
-    lengths = [text_len] + torch.randint(max(1, text_len // 3), text_len, (batch - 1,), generator=generator).tolist()
+    lengths = [
+        text_len,
+        *torch.randint(max(1, text_len // 3), text_len, (batch - 1,), generator=generator).tolist(),
+    ]
     return torch.arange(text_len)[None, :] < torch.tensor(lengths)[:, None]
 
 
@@ -126,7 +131,9 @@ def tiny_inputs(
             timestep=t / 1000.0,
             img_shapes=[[(1, h, w)]] * batch,
         )
-        mask = _text_mask(batch, text_len, g) if ragged_text else torch.ones(batch, text_len, dtype=torch.bool)
+        mask = (
+            _text_mask(batch, text_len, g) if ragged_text else torch.ones(batch, text_len, dtype=torch.bool)
+        )
         inputs["encoder_hidden_states_mask"] = mask
         params = inspect.signature(type(model).forward).parameters
         if "txt_seq_lens" in params and diffusers_version().release < (0, 37):
@@ -153,4 +160,6 @@ def tiny_inputs(
         )
     else:
         raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
-    return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    return {
+        k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()
+    }

@@ -1,0 +1,134 @@
+"""install()/uninstall(), the registry, compat errors, and bad configurations (single process + 4 ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ._dist import run_distributed
+
+
+def test_import_changes_nothing():
+    code = (
+        "import sys, sp_diffusers\n"
+        "assert 'diffusers' not in sys.modules, 'importing sp_diffusers imported diffusers'\n"
+        "from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry\n"
+        "from diffusers.models.modeling_utils import ModelMixin\n"
+        "assert 'ulysses_sdpa' not in {m.value for m in AttentionBackendName}\n"
+        "assert not hasattr(ModelMixin.set_attention_backend, '__wrapped__')\n"
+        "assert not hasattr(_AttentionBackendRegistry._backends[AttentionBackendName.NATIVE], '__wrapped__')\n"
+        "from sp_diffusers.patches import ALL_PATCHES\n"
+        "assert not any(p.is_applied() for p in ALL_PATCHES)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture
+def installed():
+    import sp_diffusers
+
+    report = sp_diffusers.install()
+    yield report
+    sp_diffusers.uninstall()
+
+
+def test_install_is_idempotent_and_reports(installed):
+    import diffusers
+    from sp_diffusers.patches import ALL_PATCHES
+
+    import sp_diffusers
+
+    assert sp_diffusers.install() is installed
+    text = str(installed)
+    assert diffusers.__version__ in text and "ulysses_sdpa" in text
+    for patch in ALL_PATCHES:
+        assert patch.NAME in text
+        status = next(p for p in installed.patches if p.name == patch.NAME)
+        assert status.applied == patch.is_applied()
+        assert status.reason
+        assert ("applied" if status.applied else "skipped") in next(
+            line for line in text.splitlines() if patch.NAME in line
+        )
+
+
+def test_backend_is_a_real_enum_member(installed):
+    from diffusers import attention_backend
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+        dispatch_attention_fn,
+    )
+
+    from sp_diffusers.tiny import tiny_inputs, tiny_model
+
+    member = AttentionBackendName("ulysses_sdpa")
+    assert member.value == "ulysses_sdpa" and member in _AttentionBackendRegistry._backends
+    assert _AttentionBackendRegistry._is_context_parallel_available(member)
+    q = torch.randn(1, 8, 2, 4)
+    with attention_backend("ulysses_sdpa"):
+        out = dispatch_attention_fn(q, q, q)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(q.transpose(1, 2),) * 3).transpose(1, 2)
+    assert torch.equal(out, ref)
+
+    model = tiny_model("flux")
+    reference = tiny_model("flux")
+    model.set_attention_backend("ulysses_sdpa")
+    inputs = tiny_inputs("flux", model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs, return_dict=False)[0], reference(**inputs, return_dict=False)[0])
+
+
+def test_uninstall_reverts_everything():
+    from diffusers.models.attention_dispatch import AttentionBackendName
+    from sp_diffusers.patches import ALL_PATCHES
+
+    import sp_diffusers
+
+    sp_diffusers.install()
+    sp_diffusers.uninstall()
+    sp_diffusers.uninstall()
+    assert "ulysses_sdpa" not in {m.value for m in AttentionBackendName}
+    assert not any(p.is_applied() for p in ALL_PATCHES)
+    assert not sp_diffusers.is_installed()
+
+
+def test_unsupported_diffusers_version_is_refused(monkeypatch):
+    import diffusers
+
+    from sp_diffusers import compat
+
+    compat.diffusers_version.cache_clear()
+    monkeypatch.setattr(diffusers, "__version__", "0.35.2")
+    try:
+        with pytest.raises(compat.UnsupportedDiffusersError, match=r"0\.35\.2.*diffusers>=0\.36"):
+            compat.check_supported()
+    finally:
+        compat.diffusers_version.cache_clear()
+
+
+def test_bad_degrees_without_process_group():
+    import sp_diffusers
+
+    with pytest.raises(ValueError, match="ulysses_degree must be a positive int, got 0"):
+        sp_diffusers.context_parallel_config(ulysses_degree=0)
+
+
+EXPECTED_WORDS = {
+    "degree_exceeds_world": ["8", "world size 4", "fix"],
+    "degree_not_dividing_world": ["3", "world size 4", "1, 2, 4"],
+    "degree_zero": ["ulysses_degree", "0"],
+    "degree_str": ["ulysses_degree", "'2'"],
+    "mesh_without_ulysses": ["('sp',)", "ulysses", "build_device_mesh"],
+    "mesh_size_mismatch": ["'ulysses' has size 4", "ulysses_degree=2"],
+}
+
+
+def test_bad_configurations_raise_clear_errors():
+    for messages in run_distributed("tests.workers.config_errors:config_errors", 4):
+        for name, words in EXPECTED_WORDS.items():
+            assert messages[name] is not None, f"{name}: no error"
+            for w in words:
+                assert w in messages[name], f"{name}: {w!r} not in {messages[name]!r}"
