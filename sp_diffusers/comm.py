@@ -29,6 +29,31 @@ __all__ = [
 ]
 
 
+# Send buffers are reused on CPU: a fresh multi-MB buffer page-faults on its first write, which made the
+# packing copy cost ~2.5x the all-to-all itself on gloo (8 ms vs 3 ms at S=4096, H=8, D=64). A send
+# buffer is free again as soon as the (synchronous) collective returns. CUDA's caching allocator already
+# recycles memory, so there every buffer is a plain torch.empty.
+_SEND_BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _send_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    buf = _SEND_BUFFERS.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SEND_BUFFERS[(dtype, device)] = buf
+    return buf[:numel].view(shape)
+
+
+def release_buffers() -> None:
+    """Drop the cached CPU send buffers (they are rebuilt on the next exchange)."""
+    _SEND_BUFFERS.clear()
+
+
 def _bucket_key(t: torch.Tensor, seq_dim_len: int) -> tuple:
     return (t.shape[0], seq_dim_len, t.dtype, t.device)
 
@@ -43,7 +68,7 @@ def _seq_to_heads_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
 
     for (b, s_l, dtype, device), idx in buckets.items():
         widths = [tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx]
-        send = torch.empty((world, s_l, b, sum(widths)), dtype=dtype, device=device)
+        send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
         offset = 0
         for i, w in zip(idx, widths, strict=True):
             t = tensors[i]
@@ -76,7 +101,7 @@ def _heads_to_seq_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
     for (b, s, dtype, device), idx in buckets.items():
         s_l = s // world
         widths = [tensors[i].shape[2] * tensors[i].shape[3] for i in idx]
-        send = torch.empty((world, s_l, b, sum(widths)), dtype=dtype, device=device)
+        send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
         offset = 0
         for i, w in zip(idx, widths, strict=True):
             t = tensors[i]
