@@ -18,11 +18,15 @@ BACKEND_NAME = "ulysses_sdpa"
 
 __all__ = [
     "BACKEND_NAME",
+    "FSDPEngine",
     "InstallReport",
+    "LoraSettings",
+    "OptimSettings",
     "__version__",
     "build_device_mesh",
     "context_parallel_config",
     "install",
+    "pad_text_batch",
     "uninstall",
 ]
 
@@ -33,6 +37,10 @@ _LAZY = {
     "InstallReport": ("install", "InstallReport"),
     "context_parallel_config": ("compat", "context_parallel_config"),
     "build_device_mesh": ("mesh", "build_device_mesh"),
+    "FSDPEngine": ("engine", "FSDPEngine"),
+    "LoraSettings": ("engine", "LoraSettings"),
+    "OptimSettings": ("engine", "OptimSettings"),
+    "pad_text_batch": ("padding", "pad_text_batch"),
     "ulysses_sdpa_attention": ("attention", "ulysses_sdpa_attention"),
 }
 

@@ -1,0 +1,63 @@
+"""SP peers must see the same data: a cheap checksum, compared across the SP group in one collective."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SPDivergenceError", "checksum", "verify_sp_consistency"]
+
+
+class SPDivergenceError(RuntimeError):
+    """SP peers hold different batches, noise or parameters: their gradients would be silently wrong."""
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two float64 numbers that change when any element changes or moves: the sum and a position-weighted sum."""
+    x = t.detach().to(torch.float64).flatten()
+    if x.numel() == 0:
+        return x.new_zeros(2)
+    weights = torch.cos(torch.arange(x.numel(), device=x.device, dtype=torch.float64) * 0.618)
+    return torch.stack([x.sum(), (x * weights).sum()])
+
+
+def _flatten(tensors: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    items = []
+    for key in sorted(tensors):
+        value = tensors[key]
+        if torch.is_tensor(value):
+            items.append((key, value))
+        elif isinstance(value, (list, tuple)):
+            items.extend((f"{key}[{i}]", v) for i, v in enumerate(value) if torch.is_tensor(v))
+    return items
+
+
+def verify_sp_consistency(tensors: dict[str, Any], group: dist.ProcessGroup, what: str = "batch") -> None:
+    """Raise ``SPDivergenceError`` naming the first tensor whose checksum differs across ``group``."""
+    items = _flatten(tensors)
+    if not items:
+        return
+    local = torch.stack([checksum(t).cpu() for _, t in items])  # [N, 2]
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        gathered = [g.to(device) for g in gathered]
+        dist.all_gather(gathered, local.to(device), group=group)
+        gathered = [g.cpu() for g in gathered]
+    else:
+        dist.all_gather(gathered, local, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    for i, (name, _) in enumerate(items):
+        values = [g[i] for g in gathered]
+        differing = [ranks[r] for r, v in enumerate(values) if not torch.equal(v, values[0])]
+        if differing:
+            raise SPDivergenceError(
+                f"SP peers disagree on {what} '{name}': ranks {differing} differ from rank {ranks[0]} "
+                f"(checksums {[v.tolist() for v in values]}). Every rank of an SP group must run on the same "
+                "micro-batch, noise and timesteps; fix: derive them from the data-parallel rank (not the global "
+                "rank), or let FSDPEngine.prepare_batch broadcast them from the SP group's first rank"
+            )

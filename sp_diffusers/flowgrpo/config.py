@@ -1,0 +1,174 @@
+"""The FlowGRPO training configuration: YAML sections -> dataclasses, with errors that name the key.
+
+A key that does not exist is refused with the closest valid keys suggested (a typo never silently
+falls back to a default); values are type-checked against the dataclass fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "load_config"]
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message names it and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "qwenimage"  # the tiny model family (sp_diffusers.tiny) when `pretrained` is empty
+    pretrained: str = ""  # a folder written by save_pretrained (the real-model path)
+    overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
+    image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)
+    seed: int = 0
+
+
+@dataclass
+class TextConfig:
+    hidden_size: int = 32
+    num_layers: int = 1
+    seed: int = 1234
+
+
+@dataclass
+class ParallelConfig:
+    ulysses_sequence_parallel_size: int = 2
+    ring_degree: int = 1
+    use_fsdp: bool = True
+    mixed_precision: str = ""  # "" (fp32) or "bf16"
+    activation_checkpointing: bool = False
+    debug_checks: bool = False
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 8.0
+    target_modules: list = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class FlowGRPOConfig:
+    num_steps: int = 8  # denoising steps per rollout
+    shift: float = 0.0  # SD3-style time shift (0: none)
+    window_size: int = 2  # SDE steps per rollout (the rest is ODE)
+    window_range: list = field(default_factory=lambda: [0, 4])  # window start drawn from [lo, hi)
+    noise_level: float = 0.8
+    group_size: int = 4  # samples per prompt
+    prompts_per_rank: int = 2  # prompts per data-parallel rank per iteration
+    micro_batch_size: int = 4
+    mini_batches: int = 1  # optimizer steps per iteration
+    inner_epochs: int = 1
+    clip_range: float = 1e-3
+    adv_clip_max: float = 5.0
+    kl_coef: float = 0.0
+    recompute_old_log_probs: bool = True
+    cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
+    reward: str = "color"
+
+
+@dataclass
+class TrainLoopConfig:
+    iterations: int = 60
+    out_dir: str = "runs/flowgrpo-tiny"
+    save_every: int = 20
+    resume: bool = True
+    seed: int = 0
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    flowgrpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.text.DEFAULT_PROMPTS
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(path: str, value: Any, annotation: Any) -> Any:
+    expected = annotation if isinstance(annotation, type) else typing.get_origin(annotation) or annotation
+    if isinstance(expected, str):
+        expected = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "dict": dict}.get(
+            expected
+        )
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected in (int, float, str, bool, list, dict) and not isinstance(value, expected):
+        raise ConfigError(f"{path} must be {expected.__name__}, got {value!r} ({type(value).__name__})")
+    if expected is int and isinstance(value, bool):
+        raise ConfigError(f"{path} must be int, got {value!r}")
+    return value
+
+
+def _merge(obj: Any, data: dict[str, Any], prefix: str) -> None:
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    hints = typing.get_type_hints(type(obj))
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key '{path}'{hint} (valid: {', '.join(sorted(fields))})")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path} is a section; give it a mapping, got {value!r}")
+            _merge(current, value, f"{path}.")
+        else:
+            setattr(obj, key, _check_type(path, value, hints[key]))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults <- YAML file <- ``key.sub=value`` overrides (values parsed as YAML)."""
+    import yaml
+
+    config = TrainConfig()
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        _merge(config, data, "")
+    apply_overrides(config, overrides or [])
+    return config
+
+
+def apply_overrides(config: TrainConfig, overrides: list[str]) -> None:
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. flowgrpo.group_size=8)")
+        key, raw = item.split("=", 1)
+        value: Any = yaml.safe_load(raw)
+        nested: dict[str, Any] = value
+        for part in reversed(key.strip().split(".")):
+            nested = {part: nested}
+        _merge(config, nested, "")
+
+
+_ = types  # typing helpers only

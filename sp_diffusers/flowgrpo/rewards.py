@@ -1,0 +1,70 @@
+"""Rewards behind one small interface: ``reward(latents, prompts) -> [B]``.
+
+``latents`` are the final denoised latents the rollout produced (``[B, L, C]`` token layout for
+Qwen-Image/Flux); a reward that needs pixels decodes them itself (e.g. with the pipeline's VAE) and a
+reward model that reads text takes the prompts. Rewards run on every rank of an SP group on identical
+inputs, so they are identical there too.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .text import COLORS
+
+__all__ = ["REWARDS", "ColorLatentReward", "MeanLatentReward", "Reward", "build_reward"]
+
+
+@runtime_checkable
+class Reward(Protocol):
+    def __call__(self, latents: torch.Tensor, prompts: list[str]) -> torch.Tensor:  # pragma: no cover
+        """``[B, ...]`` final latents + B prompts -> ``[B]`` float rewards (higher is better)."""
+        ...
+
+
+class ColorLatentReward:
+    """Cosine similarity between the token-mean latent and the direction of the prompt's colour.
+
+    Each colour word (``red``, ``green``, ``blue``, ``yellow``) owns a fixed random unit direction in latent
+    channel space; the policy must learn to steer the image's mean latent towards it, conditioned on the
+    prompt. In [-1, 1]; a tiny Qwen-Image learns it in minutes on CPU.
+    """
+
+    def __init__(self, channels: int, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        directions = torch.randn(len(COLORS), channels, generator=g)
+        self.directions = directions / directions.norm(dim=-1, keepdim=True)
+
+    def color_index(self, prompt: str) -> int:
+        words = prompt.lower().split()
+        for i, color in enumerate(COLORS):
+            if color in words:
+                return i
+        raise ValueError(f"prompt {prompt!r} names none of the colours {COLORS}; ColorLatentReward needs one")
+
+    def __call__(self, latents: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if latents.shape[0] != len(prompts):
+            raise ValueError(f"{latents.shape[0]} latents but {len(prompts)} prompts")
+        mean = latents.float().flatten(1, -2).mean(dim=1)  # [B, C]
+        targets = self.directions[[self.color_index(p) for p in prompts]].to(mean.device)
+        return torch.nn.functional.cosine_similarity(mean, targets, dim=-1)
+
+
+class MeanLatentReward:
+    """The mean of the final latents: prompt-independent, the simplest signal (for smoke tests)."""
+
+    def __call__(self, latents: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return latents.float().flatten(1).mean(dim=1)
+
+
+REWARDS = {"color": ColorLatentReward, "mean_latent": MeanLatentReward}
+
+
+def build_reward(name: str, channels: int) -> Reward:
+    if name == "color":
+        return ColorLatentReward(channels)
+    if name == "mean_latent":
+        return MeanLatentReward()
+    raise ValueError(f"reward={name!r} is not built in; choose one of {sorted(REWARDS)} or pass a callable")

@@ -1,0 +1,193 @@
+"""One flow-matching denoising step as a Gaussian policy (Flow-GRPO's SDE step) and its ODE counterpart.
+
+With ``sigma`` the current and ``sigma_next`` the next noise level, ``dt = sigma_next - sigma < 0`` and
+``v`` the velocity predicted by the model, the SDE step is (Flow-GRPO, arXiv 2505.05470)::
+
+    std_t  = sqrt(sigma / (1 - sigma)) * noise_level       (sigma == 1: sigma_one_substitute below)
+    mean   = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
+    x_prev = mean + std_t * sqrt(-dt) * eps,   eps ~ N(0, I)
+
+and its log-probability is the Gaussian log-density of ``x_prev`` averaged (not summed) over every
+non-batch element. Everything is computed in at least float32 so that the rollout's log-probs and the
+trainer's recomputation agree regardless of the model's bf16/fp16 dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SDEStep", "ode_step", "sde_step_with_logprob"]
+
+_LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
+
+Sigma = float | torch.Tensor
+
+
+@dataclass(frozen=True)
+class SDEStep:
+    """The result of :func:`sde_step_with_logprob`, for a sample of shape ``[B, ...]``.
+
+    Attributes:
+        prev_sample: ``[B, ...]`` the next latent ``x_prev`` (sampled, or the one passed in).
+        log_prob: ``[B]`` float32 (float64 for float64 inputs) per-element mean Gaussian log-density.
+        prev_sample_mean: ``[B, ...]`` the Gaussian mean (carries the gradient of ``model_output``).
+        std_dev_t: ``[B]`` ``std_t`` (without the ``sqrt(-dt)`` factor), as the KL term uses it.
+    """
+
+    prev_sample: torch.Tensor
+    log_prob: torch.Tensor
+    prev_sample_mean: torch.Tensor
+    std_dev_t: torch.Tensor
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    # bf16/fp16 are too coarse for a log-density that is later exponentiated into a PPO ratio.
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _per_sample(value: Sigma, name: str, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A python float, 0-d tensor or ``[B]`` tensor as a ``[B, 1, ..., 1]`` tensor that broadcasts over ``sample``."""
+    batch = sample.shape[0]
+    t = torch.as_tensor(value, dtype=dtype, device=sample.device)
+    if t.ndim == 0:
+        t = t.expand(batch)
+    elif t.shape != (batch,):
+        raise ValueError(
+            f"{name} must be a python float, a 0-d tensor or a tensor of shape [B] = [{batch}], "
+            f"got shape {tuple(t.shape)}; pass one value per sample (e.g. sigmas[step_index])."
+        )
+    return t.reshape(batch, *([1] * (sample.ndim - 1)))
+
+
+def _check_sigmas(sigma: Sigma, sigma_next: Sigma, fn: str) -> None:
+    # Only python floats are range-checked: checking tensor values would force a host sync every step.
+    if not isinstance(sigma, torch.Tensor) and not 0.0 < sigma <= 1.0:
+        raise ValueError(f"{fn}: sigma must be in (0, 1], got {sigma!r}; pass sigmas[i] of flow_sigmas().")
+    if not isinstance(sigma_next, torch.Tensor) and not 0.0 <= sigma_next < 1.0:
+        raise ValueError(
+            f"{fn}: sigma_next must be in [0, 1), got {sigma_next!r}; pass sigmas[i + 1] of flow_sigmas()."
+        )
+    if (
+        not isinstance(sigma, torch.Tensor)
+        and not isinstance(sigma_next, torch.Tensor)
+        and sigma_next >= sigma
+    ):
+        raise ValueError(
+            f"{fn}: sigma_next ({sigma_next!r}) must be < sigma ({sigma!r}); denoising runs from sigma 1 to 0, "
+            "pass (sigmas[i], sigmas[i + 1])."
+        )
+
+
+def _check_pair(sample: torch.Tensor, model_output: torch.Tensor, fn: str) -> None:
+    if sample.ndim < 2:
+        raise ValueError(
+            f"{fn}: sample must have a batch dim and at least one more, got shape {tuple(sample.shape)}; "
+            "pass latents of shape [B, L, C] (packed) or [B, C, ...]."
+        )
+    if model_output.shape != sample.shape:
+        raise ValueError(
+            f"{fn}: model_output shape {tuple(model_output.shape)} != sample shape {tuple(sample.shape)}; "
+            "pass the velocity predicted for this sample (unpatchified / unpacked the same way)."
+        )
+
+
+def sde_step_with_logprob(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    sigma: Sigma,
+    sigma_next: Sigma,
+    noise_level: float,
+    *,
+    sigma_one_substitute: Sigma,
+    prev_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> SDEStep:
+    """One Flow-GRPO SDE step from ``sample`` ``[B, ...]`` and the velocity ``model_output`` ``[B, ...]``.
+
+    Args:
+        sample: ``[B, ...]`` the current latent ``x`` at noise level ``sigma``.
+        model_output: ``[B, ...]`` the velocity ``v`` the model predicts for ``sample``.
+        sigma: current noise level, a python float or a ``[B]`` tensor, in ``(0, 1]``.
+        sigma_next: next noise level (``< sigma``), a python float or a ``[B]`` tensor, in ``[0, 1)``.
+        noise_level: the SDE noise scale ``a > 0`` (0 would be the ODE step: use :func:`ode_step`).
+        sigma_one_substitute: used in place of ``sigma`` in ``std_t``'s denominator ``1 - sigma`` where
+            ``sigma == 1`` (which would divide by zero); the reference implementation uses ``sigmas[1]``.
+        prev_sample: ``[B, ...]`` a stored ``x_prev`` to evaluate (training); ``None`` samples one (rollout).
+        generator: random generator for the noise when sampling; the noise is drawn in ``sample``'s dtype
+            (as the reference does) on the generator's device, then moved to ``sample``'s device.
+
+    Returns:
+        :class:`SDEStep`. ``prev_sample`` and ``prev_sample_mean`` are in the compute dtype (at least
+        float32). ``log_prob`` is evaluated at ``prev_sample.detach()``, so its gradient flows only through
+        ``prev_sample_mean`` (i.e. through ``model_output``), as in the reference.
+    """
+    fn = "sde_step_with_logprob"
+    if not noise_level > 0:
+        raise ValueError(
+            f"{fn}: noise_level must be > 0, got {noise_level!r}; at noise_level 0 the step is deterministic "
+            "and has no density, use ode_step() for steps outside the SDE window."
+        )
+    _check_pair(sample, model_output, fn)
+    _check_sigmas(sigma, sigma_next, fn)
+    if not isinstance(sigma_one_substitute, torch.Tensor) and not 0.0 < sigma_one_substitute < 1.0:
+        raise ValueError(
+            f"{fn}: sigma_one_substitute must be in (0, 1), got {sigma_one_substitute!r}; pass sigmas[1] "
+            "of the schedule (flow_sigmas(N)[1])."
+        )
+    if prev_sample is not None and prev_sample.shape != sample.shape:
+        raise ValueError(
+            f"{fn}: prev_sample shape {tuple(prev_sample.shape)} != sample shape {tuple(sample.shape)}; "
+            "pass the stored next latent of this step (all_latents[:, k + 1])."
+        )
+
+    dtype = _compute_dtype(sample, model_output)
+    x = sample.to(dtype)
+    v = model_output.to(dtype)
+    sig = _per_sample(sigma, "sigma", sample, dtype)
+    sig_next = _per_sample(sigma_next, "sigma_next", sample, dtype)
+    sub = _per_sample(sigma_one_substitute, "sigma_one_substitute", sample, dtype)
+
+    dt = sig_next - sig
+    std_t = torch.sqrt(sig / (1.0 - torch.where(sig == 1.0, sub, sig))) * noise_level
+    mean = x * (1.0 + std_t**2 / (2.0 * sig) * dt) + v * (1.0 + std_t**2 * (1.0 - sig) / (2.0 * sig)) * dt
+    scale = std_t * torch.sqrt(-dt)
+
+    if prev_sample is None:
+        noise_device = generator.device if generator is not None else sample.device
+        eps = torch.randn(sample.shape, generator=generator, dtype=sample.dtype, device=noise_device)
+        x_prev = mean + scale * eps.to(device=sample.device, dtype=dtype)
+    else:
+        x_prev = prev_sample.to(dtype)
+
+    # The density is of the action x_prev; only the mean (i.e. the policy) may carry gradient.
+    log_p = -((x_prev.detach() - mean) ** 2) / (2.0 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
+    log_prob = log_p.mean(dim=tuple(range(1, log_p.ndim)))
+    return SDEStep(
+        prev_sample=x_prev,
+        log_prob=log_prob,
+        prev_sample_mean=mean,
+        std_dev_t=std_t.reshape(sample.shape[0]),
+    )
+
+
+def ode_step(
+    sample: torch.Tensor, model_output: torch.Tensor, sigma: Sigma, sigma_next: Sigma
+) -> torch.Tensor:
+    """The deterministic Euler step ``x + v * (sigma_next - sigma)``, ``[B, ...]`` in at least float32.
+
+    ``sigma`` / ``sigma_next`` are python floats or ``[B]`` tensors. This is the ``noise_level -> 0``
+    limit of :func:`sde_step_with_logprob`'s mean, used outside the SDE window. Cast the result back to the
+    model dtype if the next model call needs it (diffusers' scheduler also steps in float32).
+    """
+    fn = "ode_step"
+    _check_pair(sample, model_output, fn)
+    _check_sigmas(sigma, sigma_next, fn)
+    dtype = _compute_dtype(sample, model_output)
+    dt = _per_sample(sigma_next, "sigma_next", sample, dtype) - _per_sample(sigma, "sigma", sample, dtype)
+    return sample.to(dtype) + model_output.to(dtype) * dt
