@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -46,7 +47,9 @@ def _child(
         )
         module, func = target.split(":")
         result = getattr(importlib.import_module(module), func)(rank, world, *args)
-        q.put((rank, "ok", result))
+        # plain pickle stores tensors by value; the queue's own pickler would pass shared-memory handles that
+        # die with this process
+        q.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -106,7 +109,9 @@ def run_distributed(
                             f"{[procs[i].exitcode for i in missing]})"
                         ) from None
                     continue
-                (results if status == "ok" else errors)[rank] = payload
+                (results if status == "ok" else errors)[rank] = (
+                    pickle.loads(payload) if status == "ok" else payload
+                )
                 if status != "ok":
                     deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=15))
         finally:

@@ -57,7 +57,7 @@ class LoraSettings:
     rank: int = 8
     alpha: float = 8.0
     target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-    init: str = "gaussian"
+    init: str | bool = "gaussian"  # peft's init_lora_weights
     adapter_name: str = "default"
 
 
@@ -464,9 +464,29 @@ class FSDPEngine:
                     f"checkpoint {path} has {field_name}={theirs!r} but this run has {field_name}={ours!r}; fix: "
                     "resume with the same model and layout (dp x ulysses) the checkpoint was written with"
                 )
-        state = self._state()
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=self.layout.world == 1)
+            stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except Exception as err:
+            raise ckpt.CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
+        state = self._state()
+        missing = [k for k in state["model"] if f"model.{k}" not in stored]
+        if missing:
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} lacks {len(missing)} model tensors (e.g. {missing[:3]}); it was written for "
+                "another model or is incomplete"
+            )
+        # A parameter that never had a gradient has no AdamW state in the checkpoint; the fresh optimizer
+        # got a placeholder state from get_state_dict, which is dropped again so the optimizer is as saved.
+        stateless = {
+            fqn for fqn in state["optimizer"].get("state", {}) if f"optimizer.state.{fqn}.step" not in stored
+        }
+        try:
+            dcp.load(
+                state,
+                checkpoint_id=str(path),
+                planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=self.layout.world == 1,
+            )
         except Exception as err:
             raise ckpt.CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
         set_state_dict(
@@ -476,6 +496,9 @@ class FSDPEngine:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(),
         )
+        params = dict(self.model.named_parameters())
+        for fqn in stateless:
+            self.optimizer.state.pop(params[fqn], None)
         trainer = torch.load(path / "trainer.pt", weights_only=False)
         self.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
         self.global_step = int(trainer["global_step"])

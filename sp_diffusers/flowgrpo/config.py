@@ -53,6 +53,9 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 8.0
     target_modules: list = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    init: str | bool = (
+        "gaussian"  # peft init_lora_weights: "gaussian", True (B = 0) or False (random A and B)
+    )
 
 
 @dataclass

@@ -71,7 +71,10 @@ class FlowGRPOTrainer:
         lora = None
         if c.lora.enabled:
             lora = LoraSettings(
-                rank=c.lora.rank, alpha=c.lora.alpha, target_modules=tuple(c.lora.target_modules)
+                rank=c.lora.rank,
+                alpha=c.lora.alpha,
+                target_modules=tuple(c.lora.target_modules),
+                init=c.lora.init,
             )
         self.engine = FSDPEngine(
             model,

@@ -1,0 +1,213 @@
+"""FSDPEngine + FlowGRPO on real gloo ranks: one training step per layout, rollouts, on-policy ratio,
+checkpoint resume, and SP divergence detection. Each function returns plain data; the parent asserts."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+G = 8  # global samples (2 prompts x group 4 per dp rank at dp = 2)
+W = 2
+
+
+def _quiet() -> None:
+    import warnings
+
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _config(sp: int, lora: bool, out_dir: str = "", **flowgrpo):
+    from sp_diffusers.flowgrpo.config import TrainConfig
+
+    c = TrainConfig()
+    c.model.kind, c.model.image_size, c.model.overrides = "qwenimage", 8, {"num_layers": 2}
+    c.parallel.ulysses_sequence_parallel_size = sp
+    c.lora.enabled = lora
+    c.lora.init = False  # random A and B, so both get non-zero gradients at the first step
+    c.optim.lr = 1e-3
+    c.optim.max_grad_norm = 1e9  # the step itself is compared; clipping is tested elsewhere
+    c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 6, W, [1, 2]
+    c.flowgrpo.micro_batch_size = 2
+    c.flowgrpo.clip_range = 1e-3
+    c.train.out_dir = out_dir or tempfile.mkdtemp()
+    c.train.progress = False
+    c.train.plot = False
+    for k, v in flowgrpo.items():
+        setattr(c.flowgrpo, k, v)
+    return c
+
+
+def _trainer(config):
+    from sp_diffusers.flowgrpo.trainer import FlowGRPOTrainer
+
+    torch.manual_seed(1234)  # LoRA adapters draw their initial weights from the global RNG
+    return FlowGRPOTrainer(config)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone().cpu()
+
+
+def _global_data(trainer) -> dict:
+    """Layout-independent training data: prompts (ragged), a fixed trajectory, advantages, perturbations."""
+    from sp_diffusers.flowgrpo.text import DEFAULT_PROMPTS
+
+    g = torch.Generator().manual_seed(42)
+    prompts = [DEFAULT_PROMPTS[i] for i in torch.randint(len(DEFAULT_PROMPTS), (G,), generator=g).tolist()]
+    shape = trainer.adapter.latent_shape(G)
+    latents = torch.randn(G, W + 1, *shape[1:], generator=g)
+    advantages = torch.randn(G, generator=g)
+    # old log-prob = current log-prob - delta: |ratio - 1| = 5e-4 (inside the clip range) or 3e-3 (clipped),
+    # both far from the 1e-3 boundary, so fp32 rounding across layouts cannot flip a clipping decision.
+    delta = torch.tensor([5e-4, -5e-4, 3e-3, -3e-3])[torch.randint(4, (G, W), generator=g)]
+    return {"prompts": prompts, "latents": latents, "advantages": advantages, "delta": delta}
+
+
+def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Tensor]:
+    from sp_diffusers.flowgrpo.rollout import Trajectory, evaluate_window_step
+
+    engine = trainer.engine
+    n = G // engine.dp_size
+    sl = slice(engine.dp_rank * n, (engine.dp_rank + 1) * n)
+    prompts = data["prompts"][sl]
+    embeds, masks = trainer.text_encoder.encode(prompts)
+    batch = engine.prepare_batch(
+        {"prompts": prompts, "prompt_embeds": embeds, "prompt_embeds_mask": masks, "shuffle_seed": 7}
+    )
+    traj = Trajectory(data["latents"][sl].to(engine.device), torch.zeros(n, W), 1, data["latents"][sl, -1])
+    with engine.eval_mode():
+        current = torch.stack(
+            [
+                evaluate_window_step(
+                    engine,
+                    trainer.adapter,
+                    traj.latents[:, k],
+                    traj.latents[:, k + 1],
+                    trainer.sigmas,
+                    traj.window_start + k,
+                    trainer._cond(batch),
+                    trainer.config.flowgrpo.noise_level,
+                    1.0,
+                ).log_prob
+                for k in range(W)
+            ],
+            dim=1,
+        )
+    old = current - data["delta"][sl]
+    return batch, traj, data["advantages"][sl], old
+
+
+def flowgrpo_step(rank: int, world: int, sp: int, lora: bool) -> dict:
+    """One FlowGRPO update (2 micro-batches x 2 window steps, one optimizer step) on this layout."""
+    _quiet()
+    trainer = _trainer(_config(sp, lora))
+    engine = trainer.engine
+    data = _global_data(trainer)
+    batch, traj, adv, old = _my_batch(trainer, data)
+    captured: dict = {}
+    original_step = engine.optimizer_step
+
+    def capture_then_step():
+        captured["grads"] = {
+            n: _full(p.grad) if p.grad is not None else None
+            for n, p in engine.model.named_parameters()
+            if p.requires_grad
+        }
+        return original_step()
+
+    engine.optimizer_step = capture_then_step
+    metrics = trainer.update(batch, traj, adv, old)
+    params = {n: _full(p) for n, p in engine.model.named_parameters() if p.requires_grad}
+    return {
+        "dp_rank": engine.dp_rank,
+        "sp_rank": engine.sp_rank,
+        "loss": metrics["loss"],
+        "clipfrac": metrics["clipfrac"],
+        "grads": captured["grads"] if rank == 0 else None,
+        "params": params if rank == 0 else None,
+        "n_trainable": len(params),
+    }
+
+
+def on_policy_and_rollout(rank: int, world: int, sp: int) -> dict:
+    """A fresh rollout with ragged prompts, then the first update: ratio 1, ppo_kl 0 (old log-probs from the
+    rollout itself, not recomputed). Also returns the rollout for comparison with one process."""
+    _quiet()
+    trainer = _trainer(
+        _config(
+            sp, False, recompute_old_log_probs=False, prompts_per_rank=2, group_size=2, micro_batch_size=4
+        )
+    )
+    batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+    traj, adv, old, stats = trainer.collect(batch)
+    lengths = [int(m.sum()) for m in batch["prompt_embeds_mask"]]
+    metrics = trainer.update(batch, traj, adv, old)
+    return {
+        "ratio_mean": metrics["ratio_mean"],
+        "ratio_std": metrics["ratio_std"],
+        "ppo_kl": metrics["ppo_kl"],
+        "clipfrac": metrics["clipfrac"],
+        "text_lengths": lengths,
+        "padded_len": batch["prompt_embeds"].shape[1],
+        "final": traj.final.cpu(),
+        "log_probs": traj.log_probs.cpu(),
+        "reward_mean": stats["reward_mean"],
+    }
+
+
+def checkpoint_resume(rank: int, world: int, sp: int) -> dict:
+    """4 iterations straight vs 2 iterations, a new process state loading the checkpoint, 2 more."""
+    _quiet()
+    root = tempfile.mkdtemp() if rank == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder, src=0)
+    root = holder[0]
+    straight = _trainer(_config(sp, False, f"{root}/a"))
+    straight.config.train.iterations, straight.config.train.save_every = 4, 0
+    straight.run()
+    ref = {n: _full(p) for n, p in straight.engine.model.named_parameters()}
+
+    first = _trainer(_config(sp, False, f"{root}/b"))
+    first.config.train.iterations = 2
+    first.run()
+    torch.manual_seed(999)  # the resumed run must not depend on the process's RNG state
+    second = _trainer(_config(sp, False, f"{root}/b"))
+    second.config.train.iterations = 4
+    second.run()
+    resumed = {n: _full(p) for n, p in second.engine.model.named_parameters()}
+    diff = max((ref[n] - resumed[n]).abs().max().item() for n in ref)
+    moved = max((ref[n] - _full(p)).abs().max().item() for n, p in first.engine.model.named_parameters())
+    return {
+        "max_param_diff": diff,
+        "start_iteration": second.start_iteration,
+        "steps_between": moved,
+        "history_len": len(second.history),
+        "global_step": second.engine.global_step,
+    }
+
+
+def divergent_batches(rank: int, world: int) -> dict:
+    """SP peers fed different latents: the debug check must raise on every rank (and nobody hangs)."""
+    _quiet()
+    from sp_diffusers.engine import SPDivergenceError
+
+    config = _config(world, False)
+    config.parallel.debug_checks = True
+    trainer = _trainer(config)
+    batch = trainer.iteration_batch(0)
+    batch["latents"] = batch["latents"] + rank  # rank-dependent: a data loader keyed on the global rank
+    try:
+        trainer.engine.prepare_batch(batch)
+        raised = None
+    except SPDivergenceError as err:
+        raised = str(err)
+    same = trainer.iteration_batch(0)
+    trainer.engine.prepare_batch(same)  # identical batches pass
+    dist.barrier()
+    return {"raised": raised}
