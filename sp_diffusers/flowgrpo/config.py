@@ -120,6 +120,12 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
         )
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if expected is float and isinstance(value, str):
+        # YAML 1.1 reads "5e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if expected in (int, float, str, bool, list, dict) and not isinstance(value, expected):
         raise ConfigError(f"{path} must be {expected.__name__}, got {value!r} ({type(value).__name__})")
     if expected is int and isinstance(value, bool):
