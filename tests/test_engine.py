@@ -96,3 +96,17 @@ def test_divergent_sp_peers_are_detected():
     for r in run_distributed("tests.workers.engine_steps:divergent_batches", 2):
         assert r["raised"] is not None
         assert "latents" in r["raised"] and "SP peers disagree" in r["raised"]
+
+
+def test_activation_checkpointing_lora_kl_cfg_and_bf16():
+    import math
+
+    for r in run_distributed("tests.workers.engine_steps:features", 2):
+        # recomputing activations in backward (all-to-alls included) reproduces the gradients exactly
+        assert r["ckpt_n_grads"] > 0 and r["ckpt_max_grad_diff"] == 0.0
+        for m in r["lora_kl_cfg"]:
+            assert all(math.isfinite(v) for v in m.values()), m
+        assert r["lora_kl_cfg"][0]["kl"] > 0  # random adapters: the policy differs from the base model
+        for m in r["bf16"]:
+            assert all(math.isfinite(v) for v in m.values()), m
+        assert r["bf16_param_dtype"] == "torch.float32"  # FSDP keeps fp32 masters, computes in bf16

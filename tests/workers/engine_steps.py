@@ -211,3 +211,48 @@ def divergent_batches(rank: int, world: int) -> dict:
     trainer.engine.prepare_batch(same)  # identical batches pass
     dist.barrier()
     return {"raised": raised}
+
+
+def features(rank: int, world: int) -> dict:
+    """Activation checkpointing changes no number; LoRA + KL + CFG and bf16 mixed precision run end to end."""
+    _quiet()
+    out: dict = {}
+    grads = {}
+    for ckpt in (False, True):
+        config = _config(world, False)
+        config.parallel.activation_checkpointing = ckpt
+        trainer = _trainer(config)
+        batch, traj, adv, old = _my_batch(trainer, _global_data(trainer))
+        captured = {}
+        step = trainer.engine.optimizer_step
+
+        def capture(step=step, captured=captured, trainer=trainer):
+            captured.update(
+                {n: _full(p.grad) for n, p in trainer.engine.model.named_parameters() if p.grad is not None}
+            )
+            return step()
+
+        trainer.engine.optimizer_step = capture
+        trainer.update(batch, traj, adv, old)
+        grads[ckpt] = captured
+    out["ckpt_max_grad_diff"] = max(
+        (grads[True][n] - grads[False][n]).abs().max().item() for n in grads[False]
+    )
+    out["ckpt_n_grads"] = len(grads[True])
+
+    config = _config(world, True, kl_coef=0.01, cfg_scale=2.0)
+    trainer = _trainer(config)
+    trainer.config.train.iterations = 2
+    history = trainer.run()
+    out["lora_kl_cfg"] = [
+        {k: history[i][k] for k in ("kl", "loss", "reward_mean", "grad_norm")} for i in range(2)
+    ]
+
+    config = _config(world, False)
+    config.parallel.mixed_precision = "bf16"
+    trainer = _trainer(config)
+    trainer.config.train.iterations = 2
+    history = trainer.run()
+    out["bf16"] = [{k: history[i][k] for k in ("loss", "reward_mean", "grad_norm")} for i in range(2)]
+    out["bf16_param_dtype"] = str(next(trainer.engine.model.parameters()).dtype)
+    return out
