@@ -1,6 +1,6 @@
 """One FlowGRPO policy update at SP = 2: ours vs the verl-omni-style path vs one process.
 
-    python benchmarks/train_step.py [--image-size 32] [--layers 2] [--samples 8] [--json out.json]
+    python benchmarks/train_step.py [--image-size 128] [--layers 2] [--samples 2] [--json out.json]
 
 - ours: ``FSDPEngine`` (FSDP2 + ``ulysses_sdpa``, gradient contract by the divide factor);
 - verl-omni-style: the same FSDP2 engine on diffusers' own ``native`` Ulysses attention as diffusers 0.42
@@ -129,10 +129,10 @@ def single_rank(rank: int, world: int, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--image-size", type=int, default=32, help="latent size; tokens = (size/2)^2")
+    p.add_argument("--image-size", type=int, default=128, help="latent size; tokens = (size/2)^2")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--samples", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     sp = spawn(bench_rank, 2, args)[0]
