@@ -31,10 +31,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "install": ("install", "install"),
-    "uninstall": ("install", "uninstall"),
-    "is_installed": ("install", "is_installed"),
-    "InstallReport": ("install", "InstallReport"),
+    "install": ("installer", "install"),
+    "uninstall": ("installer", "uninstall"),
+    "is_installed": ("installer", "is_installed"),
+    "InstallReport": ("installer", "InstallReport"),
     "context_parallel_config": ("compat", "context_parallel_config"),
     "build_device_mesh": ("mesh", "build_device_mesh"),
     "FSDPEngine": ("engine", "FSDPEngine"),

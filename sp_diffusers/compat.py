@@ -97,6 +97,15 @@ def context_parallel_config(
     check_supported()
     from diffusers import ContextParallelConfig
 
+    from .installer import is_installed
+
+    if not is_installed():
+        raise RuntimeError(
+            "sp_diffusers.install() has not run: the ulysses_sdpa backend is not registered and diffusers' "
+            "defects are unpatched, so enable_parallelism would fail or be silently wrong on this version. "
+            "Fix: call sp_diffusers.install() once per process before context_parallel_config(...)"
+        )
+
     if dist.is_available() and dist.is_initialized():
         validate_degrees(dist.get_world_size(), ulysses_degree, ring_degree)
         if mesh is None and dist.get_world_size() != ulysses_degree * ring_degree:

@@ -109,7 +109,7 @@ def test_unsupported_diffusers_version_is_refused(monkeypatch):
         compat.diffusers_version.cache_clear()
 
 
-def test_bad_degrees_without_process_group():
+def test_bad_degrees_without_process_group(installed):
     import sp_diffusers
 
     with pytest.raises(ValueError, match="ulysses_degree must be a positive int, got 0"):

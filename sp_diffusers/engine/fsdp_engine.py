@@ -447,6 +447,7 @@ class FSDPEngine:
         difference; the model, optimizer, LR scheduler, step and each rank's RNG come back exactly.
         """
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         path = Path(path)
@@ -457,16 +458,25 @@ class FSDPEngine:
             path = latest
         meta = ckpt.read_meta(path)
         mine = self._meta(meta.step)
-        for field_name in ("model_class", "model_fingerprint", "lora", "dp", "ring", "ulysses"):
+
+        def layout(m: ckpt.CheckpointMeta) -> str:
+            return f"dp={m.dp} x ring={m.ring} x ulysses={m.ulysses}"
+
+        if layout(meta) != layout(mine):
+            raise ckpt.CheckpointError(
+                f"checkpoint {path} was written with layout {layout(meta)} but this run has {layout(mine)}; fix: "
+                "resume with the layout (process count and ulysses_sequence_parallel_size) it was written with"
+            )
+        for field_name in ("model_class", "model_fingerprint", "lora"):
             theirs, ours = getattr(meta, field_name), getattr(mine, field_name)
             if theirs != ours:
                 raise ckpt.CheckpointError(
                     f"checkpoint {path} has {field_name}={theirs!r} but this run has {field_name}={ours!r}; fix: "
-                    "resume with the same model and layout (dp x ulysses) the checkpoint was written with"
+                    "resume with the same model and layout the checkpoint was written with"
                 )
         try:
             stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             raise ckpt.CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
         state = self._state()
         missing = [k for k in state["model"] if f"model.{k}" not in stored]
@@ -487,7 +497,7 @@ class FSDPEngine:
                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
                 no_dist=self.layout.world == 1,
             )
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             raise ckpt.CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
         set_state_dict(
             self.model,
