@@ -325,6 +325,15 @@ class FSDPEngine:
         if self.sp_group is not None and self.sp_size > 1:
             verify_sp_consistency(tensors, self.sp_group, what)
 
+    def verify_parameters(self) -> None:
+        """Raise ``SPDivergenceError`` when SP peers hold different parameters (debug: gathers sharded ones)."""
+        if self.sp_group is None or self.sp_size == 1:
+            return
+        full = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in self.model.named_parameters()
+        }
+        self.verify_sp_consistency(full, "parameters")
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -380,6 +389,8 @@ class FSDPEngine:
     def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, Any]:
         """zero_grad -> forward_backward -> optimizer_step."""
         self.zero_grad()
+        if self.debug_checks:
+            self.verify_parameters()
         metrics = self.forward_backward(batch, loss_fn)
         metrics.update(self.optimizer_step())
         return metrics

@@ -44,7 +44,24 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # Under torchrun the store outlives a restart; gloo then reads the dead attempt's peer addresses and
+    # fails to connect ("connectFullMesh ... Connection refused"). A per-attempt key prefix isolates them.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_hosts_store,
+    )
+    store = dist.PrefixStore(f"sp_diffusers/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _seed(*parts: int) -> int:

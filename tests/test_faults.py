@@ -1,0 +1,113 @@
+"""Faults: a killed rank (torchrun --max-restarts) loses nothing; a crash while writing a checkpoint leaves
+the previous one loadable and the partial one ignored; non-finite losses skip the step on every rank;
+SP peers with different parameters are refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ._dist import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_killed_rank_resumes_from_last_checkpoint_with_identical_parameters(tmp_path):
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/fault_kill_rank.py",
+            "--iterations",
+            "10",
+            "--save-every",
+            "3",
+            "--kill-after",
+            "5",
+            "--json",
+            str(report_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    r = json.loads(report_path.read_text())
+    assert r["faults_survived"] == 1 and r["killed_after_iteration"] >= 5
+    assert r["resumed_from_iteration"] % 3 == 0 and r["resumed_from_iteration"] < r["killed_after_iteration"]
+    assert 0 <= r["iterations_recomputed"] <= 3  # nothing beyond the checkpoint interval is lost
+    assert r["metrics_iterations"] == 10
+    assert r["tensors_compared"] > 100 and r["max_abs_diff_vs_uninterrupted"] == 0.0
+
+
+def _engine():
+    from diffusers.utils import logging as dlogging
+
+    from sp_diffusers import FSDPEngine
+    from sp_diffusers.tiny import tiny_model
+
+    dlogging.set_verbosity(logging.ERROR)
+    return FSDPEngine(tiny_model("qwenimage", num_layers=1, seed=0))
+
+
+def test_crash_during_checkpoint_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    from sp_diffusers.engine import checkpoint as ckpt
+
+    engine = _engine()
+    root = tmp_path / "ckpts"
+    engine.save_checkpoint(root, step=1)
+    saved = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(1.0)
+
+    # 1) the process dies after the shards are written, before the checkpoint is published
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("simulated crash before publishing")
+
+    monkeypatch.setattr(ckpt, "write_meta", crash)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(root, step=2)
+    monkeypatch.undo()
+    assert (root / ".tmp-step-00000002").exists() and not (root / "step-00000002").exists()
+    assert ckpt.find_latest(root).name == "step-00000001"
+
+    # 2) the process dies in the middle of writing the shards
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def half_save(state, checkpoint_id, **kwargs):
+        real_save({"model": dict(list(state["model"].items())[:3])}, checkpoint_id=checkpoint_id, **kwargs)
+        raise KeyboardInterrupt("simulated crash while writing shards")
+
+    monkeypatch.setattr(dcp, "save", half_save)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(root, step=3)
+    monkeypatch.undo()
+    assert ckpt.find_latest(root).name == "step-00000001"
+
+    # the previous checkpoint loads and restores the saved parameters exactly
+    fresh = _engine()
+    fresh.load_checkpoint(root)
+    for n, p in fresh.model.named_parameters():
+        assert torch.equal(p, saved[n]), n
+    # the next successful save clears the partial folders
+    fresh.save_checkpoint(root, step=4)
+    assert not list(root.glob(".tmp-step-*"))
+    assert ckpt.find_latest(root).name == "step-00000004"
+
+
+def test_non_finite_loss_skips_everywhere_and_divergent_parameters_are_refused():
+    for r in run_distributed("tests.workers.faults:non_finite_and_divergent_parameters", 2):
+        assert r["skipped"] == 1.0 and not r["grad_norm_finite"]
+        assert r["params_unchanged"] and r["global_step"] == 0
+        assert r["next_step_taken"]
+        assert r["divergent_parameters"] is not None and "parameters" in r["divergent_parameters"]
