@@ -106,25 +106,24 @@ def main(argv=None) -> int:
     subprocess.run(_command(reference, args, 0), cwd=ROOT, env=env, check=True, capture_output=True)
 
     faulty = work / "killed"
-    log = open(work / "killed.log", "w")
-    proc = subprocess.Popen(
-        _command(faulty, args, 1), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-    )
     killed_at, victim = None, None
-    deadline = time.time() + 600
-    while proc.poll() is None and time.time() < deadline:
-        logged = _logged_iterations(faulty)
-        if killed_at is None and logged >= args.kill_after:
-            workers = _workers(proc.pid)
-            if len(workers) == 2:
-                victim = workers[1]
-                os.kill(victim, signal.SIGKILL)
-                killed_at = logged
-        time.sleep(0.05)
-    if proc.poll() is None:
-        proc.kill()
-        raise SystemExit("the restarted job did not finish in 600 s")
-    log.close()
+    with open(work / "killed.log", "w") as log:
+        proc = subprocess.Popen(
+            _command(faulty, args, 1), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline:
+            logged = _logged_iterations(faulty)
+            if killed_at is None and logged >= args.kill_after:
+                workers = _workers(proc.pid)
+                if len(workers) == 2:
+                    victim = workers[1]
+                    os.kill(victim, signal.SIGKILL)
+                    killed_at = logged
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+            raise SystemExit("the restarted job did not finish in 600 s")
     if proc.returncode != 0:
         raise SystemExit(f"torchrun exited with {proc.returncode}; see {work / 'killed.log'}")
     text = (work / "killed.log").read_text()
