@@ -30,6 +30,7 @@ class InstallReport:
     diffusers_version: str
     backend: str
     patches: tuple[PatchStatus, ...] = field(default_factory=tuple)
+    plans: tuple = field(default_factory=tuple)  # sp_diffusers.plans.PlanStatus
 
     @property
     def applied(self) -> tuple[str, ...]:
@@ -47,6 +48,9 @@ class InstallReport:
         for p in self.patches:
             verb = "applied" if p.applied else "skipped"
             lines.append(f"  {verb:<9} {p.name:<22} {p.reason}")
+        for plan in self.plans:
+            verb = "plan" if plan.attached else "no plan"
+            lines.append(f"  {verb:<9} {plan.model_class:<22} {plan.reason}")
         return "\n".join(lines)
 
 
@@ -60,6 +64,7 @@ def install() -> InstallReport:
     with _lock:
         if _report is not None:
             return _report
+        from . import plans
         from .patches import ALL_PATCHES
 
         version = check_supported()
@@ -73,12 +78,14 @@ def install() -> InstallReport:
                 statuses.append(
                     PatchStatus(patch.NAME, result.needed, result.reason, patch.AFFECTED, patch.UPSTREAM)
                 )
+            plan_statuses = plans.attach()
         except Exception:
+            plans.detach()
             for patch in reversed(ALL_PATCHES):
                 patch.revert()
             unregister_backend()
             raise
-        _report = InstallReport(str(version), BACKEND_NAME, tuple(statuses))
+        _report = InstallReport(str(version), BACKEND_NAME, tuple(statuses), tuple(plan_statuses))
         return _report
 
 
@@ -86,8 +93,10 @@ def uninstall() -> None:
     """Revert every patch (newest first) and remove the backend from diffusers. Idempotent."""
     global _report
     with _lock:
+        from . import plans
         from .patches import ALL_PATCHES
 
+        plans.detach()
         for patch in reversed(ALL_PATCHES):
             patch.revert()
         unregister_backend()

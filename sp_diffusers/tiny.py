@@ -14,7 +14,7 @@ import torch
 
 from .compat import diffusers_version
 
-TINY_MODELS = ("qwenimage", "flux", "wan")
+TINY_MODELS = ("qwenimage", "flux", "wan", "sd3")
 
 __all__ = ["TINY_MODELS", "tiny_inputs", "tiny_model", "tiny_model_config"]
 
@@ -58,6 +58,23 @@ def tiny_model_config(kind: str, **overrides: Any) -> dict[str, Any]:
             num_layers=2,
             rope_max_seq_len=32,
         )
+    elif kind == "sd3":
+        # SD3.5-style: qk RMS norm and one dual-attention block (the image-only attn2 path)
+        config = dict(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            caption_projection_dim=64,
+            pooled_projection_dim=32,
+            out_channels=4,
+            pos_embed_max_size=16,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        )
     else:
         raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
     config.update(overrides)
@@ -77,6 +94,10 @@ def _model_class(kind: str):
         from diffusers import WanTransformer3DModel
 
         return WanTransformer3DModel
+    if kind == "sd3":
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel
     raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
 
 
@@ -158,6 +179,17 @@ def tiny_inputs(
             timestep=t,
             encoder_hidden_states=torch.randn(batch, text_len, cfg.text_dim, generator=g),
         )
+    elif kind == "sd3":
+        # SD3 has no text mask of its own: with ragged_text the padded keys are masked through
+        # joint_attention_kwargs, which sp_diffusers' SD3 processor honours (diffusers' own ignores it).
+        inputs = dict(
+            hidden_states=torch.randn(batch, cfg.in_channels, *image_hw, generator=g),
+            encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g),
+            pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g),
+            timestep=t,
+        )
+        if ragged_text:
+            inputs["joint_attention_kwargs"] = {"encoder_hidden_states_mask": _text_mask(batch, text_len, g)}
     else:
         raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
     return {

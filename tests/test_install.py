@@ -132,3 +132,35 @@ def test_bad_configurations_raise_clear_errors():
             assert messages[name] is not None, f"{name}: no error"
             for w in words:
                 assert w in messages[name], f"{name}: {w!r} not in {messages[name]!r}"
+
+
+def test_plans_are_attached_only_where_diffusers_has_none(installed):
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from sp_diffusers import plans
+
+    statuses = {p.model_class: p for p in installed.plans}
+    assert statuses["SD3Transformer2DModel"].attached
+    assert "SD3Transformer2DModel" in str(installed) and "plan attached" in str(installed)
+    assert SD3Transformer2DModel._cp_plan is not None
+    assert FluxTransformer2DModel._cp_plan is not plans.registered_plans().get("FluxTransformer2DModel")
+
+
+def test_user_registered_plan_is_attached_and_detached():
+    from diffusers import SanaTransformer2DModel
+
+    import sp_diffusers
+    from sp_diffusers import plans
+
+    sp_diffusers.uninstall()
+    plan = {"proj_out": "sentinel"}
+    plans.register_plan(SanaTransformer2DModel, plan)
+    try:
+        report = sp_diffusers.install()
+        assert SanaTransformer2DModel._cp_plan == plan
+        assert any(p.model_class == "SanaTransformer2DModel" and p.attached for p in report.plans)
+        sp_diffusers.uninstall()
+        assert SanaTransformer2DModel._cp_plan is None
+    finally:
+        plans._PLANS.pop("SanaTransformer2DModel", None)
+        sp_diffusers.uninstall()

@@ -1,5 +1,6 @@
-"""Model level, every diffusers version of the matrix: tiny Flux, Wan and Qwen-Image (batch 2, ragged
-text mask) under Ulysses SP = 2 and 4 vs one process, with ``ulysses_sdpa`` and with ``native`` after
+"""Model level, every diffusers version of the matrix: tiny Flux, Wan, Qwen-Image (batch 2, ragged
+text mask) and SD3.5-style SD3 (sp_diffusers' plan; odd text length padded to the degree + key mask,
+against the unpadded model with diffusers' own processor) under Ulysses SP = 2 and 4 vs one process, with ``ulysses_sdpa`` and with ``native`` after
 ``install()``, ``return_dict`` True and False.
 
 Tolerance: fp32, elementwise ``|sp - ref| <= 1e-5 + 1e-4 * |ref|`` for the output and for every
