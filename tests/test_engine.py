@@ -19,8 +19,8 @@ LAYOUTS = {"sp2": (2, 2), "dp2_sp2": (4, 2)}  # name: (world, ulysses)
 
 
 @functools.cache
-def _step(world: int, sp: int, lora: bool):
-    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora)
+def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage"):
+    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind)
 
 
 def _close(a, b):
@@ -28,12 +28,17 @@ def _close(a, b):
     return excess <= ATOL, (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_flowgrpo_step_matches_one_process(layout, lora):
+@pytest.mark.parametrize(
+    ("layout", "lora", "kind"),
+    [(layout, lora, "qwenimage") for layout in sorted(LAYOUTS) for lora in (False, True)]
+    + [("sp2", False, "sd3")],
+    ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
+)
+def test_flowgrpo_step_matches_one_process(layout, lora, kind):
+    """SD3 runs through sp_diffusers' plan (ragged prompts padded to the degree with masked keys)."""
     world, sp = LAYOUTS[layout]
-    ref = _step(1, 1, lora)[0]
-    results = _step(world, sp, lora)
+    ref = _step(1, 1, lora, kind)[0]
+    results = _step(world, sp, lora, kind)
     # the loss each data-parallel group reports, averaged over dp, is the single-process loss
     dp_losses = {r["dp_rank"]: r["loss"] for r in results if r["sp_rank"] == 0}
     assert abs(sum(dp_losses.values()) / len(dp_losses) - ref["loss"]) <= 1e-6

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    kind: str = "qwenimage"  # the tiny model family (sp_diffusers.tiny) when `pretrained` is empty
+    kind: str = "qwenimage"  # model family (sp_diffusers.tiny): the tiny model, or the class for `pretrained`
     pretrained: str = ""  # a folder written by save_pretrained (the real-model path)
     overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
     image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["QwenImageAdapter", "build_adapter"]
+__all__ = ["QwenImageAdapter", "SD3Adapter", "build_adapter"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class QwenImageAdapter:
     def latent_shape(self, batch: int) -> tuple[int, int, int]:
         return (batch, self.tokens, self.channels)
 
+    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents as ``[B, L, C]`` tokens (what the built-in rewards read)."""
+        return latents
+
     def inputs(
         self, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
     ) -> dict[str, Any]:
@@ -46,7 +50,45 @@ class QwenImageAdapter:
         return kwargs
 
 
-def build_adapter(model: torch.nn.Module, image_size: int) -> QwenImageAdapter:
+@dataclass(frozen=True)
+class SD3Adapter:
+    """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, timestep = sigma * 1000, pooled text = masked mean.
+
+    SD3 has no text mask of its own; the padded text keys are masked through ``joint_attention_kwargs``,
+    which sp_diffusers' SD3 processor (``sp_diffusers.plans``) honours, so padding to the SP degree is exact.
+    """
+
+    height: int
+    width: int
+    channels: int
+    patch: int
+
+    @property
+    def tokens(self) -> int:
+        return (self.height // self.patch) * (self.width // self.patch)
+
+    def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch, self.channels, self.height, self.width)
+
+    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+
+    def inputs(
+        self, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, Any]:
+        batch = latents.shape[0]
+        weights = mask.to(embeds.dtype)[..., None]
+        pooled = (embeds * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        return dict(
+            hidden_states=latents,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            timestep=(sigma * 1000.0).to(latents.dtype).expand(batch),
+            joint_attention_kwargs={"encoder_hidden_states_mask": mask},
+        )
+
+
+def build_adapter(model: torch.nn.Module, image_size: int) -> QwenImageAdapter | SD3Adapter:
     """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching)."""
     from ..compat import diffusers_version
 
@@ -62,7 +104,18 @@ def build_adapter(model: torch.nn.Module, image_size: int) -> QwenImageAdapter:
             channels=config.in_channels,
             needs_txt_seq_lens=diffusers_version().release < (0, 37),
         )
+    if name == "SD3Transformer2DModel":
+        if image_size % config.patch_size:
+            raise ValueError(
+                f"model.image_size={image_size} must be a multiple of the patch size {config.patch_size}"
+            )
+        if config.joint_attention_dim != config.pooled_projection_dim:
+            raise ValueError(
+                f"the FlowGRPO SD3 adapter pools the text embeddings ({config.joint_attention_dim}) into "
+                f"pooled_projections ({config.pooled_projection_dim}); they must be equal"
+            )
+        return SD3Adapter(image_size, image_size, config.in_channels, config.patch_size)
     raise ValueError(
-        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel "
+        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, SD3Transformer2DModel "
         "(add one in sp_diffusers/flowgrpo/models.py)"
     )

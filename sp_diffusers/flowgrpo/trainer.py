@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,14 @@ class FlowGRPOTrainer:
     """Builds model, text encoder, engine and reward from a ``TrainConfig`` and runs the loop."""
 
     def __init__(
-        self, config: TrainConfig, reward: Reward | None = None, model: torch.nn.Module | None = None
+        self,
+        config: TrainConfig,
+        reward: Reward | None = None,
+        model: torch.nn.Module | None = None,
+        engine_factory: Callable[..., FSDPEngine] | None = None,
     ) -> None:
+        """``engine_factory(model, **FSDPEngine kwargs)`` builds the engine (default ``FSDPEngine``; the verl
+        integration passes one that builds it through verl's ``EngineRegistry``)."""
         init_distributed()
         self.config = config
         c = config
@@ -93,7 +100,7 @@ class FlowGRPOTrainer:
                 target_modules=tuple(c.lora.target_modules),
                 init=c.lora.init,
             )
-        self.engine = FSDPEngine(
+        self.engine = (engine_factory or FSDPEngine)(
             model,
             ulysses_sequence_parallel_size=c.parallel.ulysses_sequence_parallel_size,
             ring_degree=c.parallel.ring_degree,
@@ -137,17 +144,15 @@ class FlowGRPOTrainer:
         self._tb = None
 
     def _build_model(self) -> torch.nn.Module:
+        from ..tiny import _model_class, tiny_model
+
         c = self.config.model
         if c.pretrained:
-            from diffusers import QwenImageTransformer2DModel
-
             if not Path(c.pretrained).exists():
                 raise FileNotFoundError(
                     f"model.pretrained={c.pretrained!r} does not exist (a save_pretrained folder)"
                 )
-            return QwenImageTransformer2DModel.from_pretrained(c.pretrained)
-        from ..tiny import tiny_model
-
+            return _model_class(c.kind).from_pretrained(c.pretrained)
         return tiny_model(c.kind, seed=c.seed, **c.overrides)
 
     # -------------------------------------------------------------------------------------- batches
@@ -211,7 +216,7 @@ class FlowGRPOTrainer:
             )
             if self.engine.debug_checks:
                 self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
-            rewards = self.reward(traj.final, batch["prompts"]).float().cpu()
+            rewards = self.reward(self.adapter.reward_view(traj.final), batch["prompts"]).float().cpu()
             old_log_probs = traj.log_probs
             if g.recompute_old_log_probs:
                 old_log_probs = torch.stack(
@@ -325,7 +330,8 @@ class FlowGRPOTrainer:
 
     def train_iteration(self, iteration: int) -> dict[str, Any]:
         start = time.perf_counter()
-        batch = self.engine.prepare_batch(self.iteration_batch(iteration))
+        # token counts were checked against the SP degree through the adapter (latent layouts differ)
+        batch = self.engine.prepare_batch(self.iteration_batch(iteration), image_keys=())
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
         metrics.update(stats)

@@ -22,11 +22,11 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _config(sp: int, lora: bool, out_dir: str = "", **flowgrpo):
+def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", **flowgrpo):
     from sp_diffusers.flowgrpo.config import TrainConfig
 
     c = TrainConfig()
-    c.model.kind, c.model.image_size, c.model.overrides = "qwenimage", 8, {"num_layers": 2}
+    c.model.kind, c.model.image_size, c.model.overrides = kind, 8, {"num_layers": 2}
     c.parallel.ulysses_sequence_parallel_size = sp
     c.lora.enabled = lora
     c.lora.init = False  # random A and B, so both get non-zero gradients at the first step
@@ -103,10 +103,10 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
     return batch, traj, data["advantages"][sl], old
 
 
-def flowgrpo_step(rank: int, world: int, sp: int, lora: bool) -> dict:
+def flowgrpo_step(rank: int, world: int, sp: int, lora: bool, kind: str = "qwenimage") -> dict:
     """One FlowGRPO update (2 micro-batches x 2 window steps, one optimizer step) on this layout."""
     _quiet()
-    trainer = _trainer(_config(sp, lora))
+    trainer = _trainer(_config(sp, lora, kind=kind))
     engine = trainer.engine
     data = _global_data(trainer)
     batch, traj, adv, old = _my_batch(trainer, data)
