@@ -17,10 +17,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing torch==2.13.0 (CPU build) and sp-diffusers[dev]"
+  echo "[setup] installing torch==2.13.0 (CPU build), verl==0.9.1 and sp-diffusers[dev]"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  # torch is pinned in the same resolve so nothing can pull a multi-GB CUDA build instead.
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" "diffusers==0.42.1" -e ".[dev]"
+  # torch is pinned in the same resolve so nothing can pull a multi-GB CUDA build instead; verl without its
+  # extras (they pin another torch). verl pins transformers<5.11 and tensordict<=0.10, both fine here.
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0" "diffusers==0.42.1" "verl==0.9.1" -e ".[dev]"
   echo "$want" > "$STAMP"
 fi
 

@@ -19,16 +19,39 @@ def _report(_: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_factory(choice: str, ring_degree: int):
+    """``auto``: through verl's EngineRegistry when verl is installed (verl's flag is Ulysses only, so not
+    with a ring dimension); ``verl``: always; ``native``: never."""
+    import importlib.util
+    import os
+
+    if choice == "native" or (
+        choice == "auto" and (importlib.util.find_spec("verl") is None or ring_degree > 1)
+    ):
+        return None, "sp_diffusers.FSDPEngine"
+    import torch
+
+    if "VERL_PLATFORM" not in os.environ and not torch.cuda.is_available():
+        # verl 0.9.1 has no CPU platform and would fall back to "cuda"/"nccl": opt in to ours (gloo)
+        os.environ["VERL_PLATFORM"] = "cpu"
+    from .integrations.verl import MODEL_TYPE, fsdp_engine_via_verl
+
+    return fsdp_engine_via_verl, f"sp_diffusers.FSDPEngine via verl EngineRegistry (model_type={MODEL_TYPE})"
+
+
 def _train(args: argparse.Namespace) -> int:
     import logging
+    import os
     import warnings
 
     from diffusers.utils import logging as dlogging
 
     from .flowgrpo.config import load_config
     from .flowgrpo.trainer import FlowGRPOTrainer
+    from .integrations.verl_config import translate_overrides
 
-    overrides = list(args.set or [])
+    plan = translate_overrides(list(args.overrides or []))  # verl-style hydra overrides (and our keys)
+    overrides = plan.overrides + list(args.set or [])
     if args.pretrained:
         overrides.append(f"model.pretrained={args.pretrained}")
     if args.out_dir:
@@ -36,9 +59,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
     config = load_config(args.config, overrides)
+    plan.check_launch(int(os.environ.get("WORLD_SIZE", "1")))
+    plan.check_rollout(config)
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\..*")
-    trainer = FlowGRPOTrainer(config)
+    factory, engine_name = _engine_factory(args.engine, config.parallel.ring_degree)
+    trainer = FlowGRPOTrainer(config, engine_factory=factory)
+    if trainer.rank == 0:
+        print(f"engine: {engine_name}, ulysses_sequence_parallel_size={trainer.engine.sp_size}", flush=True)
     history = trainer.run()
     if trainer.rank == 0 and history:
         first = sum(m["reward_mean"] for m in history[:5]) / len(history[:5])
@@ -72,6 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--pretrained", default=None, help="transformer folder written by save_pretrained")
     p_train.add_argument("--out-dir", default=None)
     p_train.add_argument("--iterations", type=int, default=None)
+    p_train.add_argument(
+        "--engine",
+        choices=("auto", "verl", "native"),
+        default="auto",
+        help="build the engine through verl's EngineRegistry (auto: when verl is installed) or directly",
+    )
+    p_train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="verl-style hydra overrides, e.g. actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+    )
     p_train.set_defaults(func=_train)
     p_demo = sub.add_parser(
         "demo", help="forward+backward of a tiny model under SP vs one process (torchrun)"
@@ -84,7 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # verl-style KEY=VALUE overrides may come before and after options (argparse takes one positional run)
+    if getattr(args, "overrides", None) is not None:
+        args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
+        extra = [x for x in extra if x not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

@@ -362,8 +362,11 @@ class FSDPEngine:
             dist.all_reduce(p.grad)
             p.grad.div_(self.layout.dp)
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, schedule. A non-finite gradient norm skips the step on every rank (same norm everywhere)."""
+    def optimizer_step(self, step_scheduler: bool = True) -> dict[str, float]:
+        """Clip, step, schedule. A non-finite gradient norm skips the step on every rank (same norm everywhere).
+
+        ``step_scheduler=False`` leaves the LR schedule to ``lr_scheduler_step()`` (verl steps it separately).
+        """
         self._sync_replicated_grads()
         max_norm = self.optim_settings.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm if max_norm > 0 else float("inf"))
@@ -377,7 +380,8 @@ class FSDPEngine:
             )
         else:
             self.optimizer.step()
-            self.lr_scheduler.step()
+            if step_scheduler:
+                self.lr_scheduler.step()
             self.global_step += 1
         self.zero_grad()
         return {
@@ -385,6 +389,11 @@ class FSDPEngine:
             "lr": self.optimizer.param_groups[0]["lr"],
             "step_skipped": float(skipped),
         }
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one step (for ``optimizer_step(step_scheduler=False)``); the new LR."""
+        self.lr_scheduler.step()
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, Any]:
         """zero_grad -> forward_backward -> optimizer_step."""
@@ -489,6 +498,10 @@ class FSDPEngine:
             stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
             raise ckpt.CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
+        # Loading replaces the optimizer state: start from none, so every parameter gets a placeholder to load
+        # into (an engine that already stepped has no state for parameters that never had a gradient).
+        self.zero_grad()
+        self.optimizer.state.clear()
         state = self._state()
         missing = [k for k in state["model"] if f"model.{k}" not in stored]
         if missing:
