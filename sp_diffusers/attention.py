@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import all_gather_along, gather_ints, heads_to_seq, seq_to_heads
+from .comm import all_gather_along, gather_ints, gather_seq, heads_to_seq, seq_to_heads
 
 if TYPE_CHECKING:  # pragma: no cover
     from diffusers.models._modeling_parallel import ParallelConfig
@@ -126,15 +126,23 @@ def _prepare_mask(
     padded_heads: int,
     s_q_local: int,
     s_kv_local: int,
-    world: int,
-    rank: int,
-    group: dist.ProcessGroup,
+    ulysses: int,
+    ulysses_rank: int,
+    ulysses_group: dist.ProcessGroup,
+    ring: int = 1,
+    ring_rank: int = 0,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Any SDPA mask, local- or global-length -> a ``[b, h, S_q, S_kv]`` mask for this rank's heads.
+    """Any SDPA mask, local- or global-length -> a ``[b, h, q, S_kv]`` mask for this rank's heads and rows.
 
-    A dim that is already 1 stays 1 (broadcast), so a key-padding mask never becomes O(S^2).
+    After the exchange a rank computes the queries of its ring segment (``q = S_q / ring`` rows; all of
+    them without ring) for ``H / ulysses`` heads over every key. A dim that is 1 stays 1 (broadcast), so
+    a key-padding mask never becomes O(S^2). Local lengths are gathered in the CP group's rank order,
+    which is the global sequence order (ring-major, Ulysses-minor, as diffusers shards).
     """
+    world = ulysses * ring
     s_q, s_kv = s_q_local * world, s_kv_local * world
+    segment = s_q_local * ulysses
     mask = _key_padding_to_4d(attn_mask, batch, (s_kv_local, s_kv))
     b, h, q, k = mask.shape
     expected = (
@@ -159,9 +167,11 @@ def _prepare_mask(
             f"[.., {s_q}, {s_kv}], the rows of the local queries [.., {s_q_local}, {s_kv}], or a key-padding mask"
         )
     if gather_q:
-        mask = all_gather_along(mask, 2, group)
+        mask = all_gather_along(mask, 2, ulysses_group)  # the rows of this ring segment
+    elif q == s_q and ring > 1:
+        mask = mask[:, :, ring_rank * segment : (ring_rank + 1) * segment]
     if gather_k:
-        mask = all_gather_along(mask, 3, group)
+        mask = all_gather_along(mask, 3, cp_group if cp_group is not None else ulysses_group)
     if h == heads and heads > 1:
         if padded_heads != heads:
             neutral = torch.ones if mask.dtype == torch.bool else torch.zeros
@@ -169,8 +179,8 @@ def _prepare_mask(
                 (b, padded_heads - heads, mask.shape[2], mask.shape[3]), dtype=mask.dtype, device=mask.device
             )
             mask = torch.cat([mask, pad], dim=1)
-        h_l = padded_heads // world
-        mask = mask[:, rank * h_l : (rank + 1) * h_l]
+        h_l = padded_heads // ulysses
+        mask = mask[:, ulysses_rank * h_l : (ulysses_rank + 1) * h_l]
     return mask
 
 
@@ -194,25 +204,23 @@ def ulysses_sdpa_attention(
     if return_lse:
         raise UlyssesAttentionError(
             "return_lse=True is not supported by ulysses_sdpa: torch's SDPA does not return the log-sum-exp. "
-            "Fix: call it with return_lse=False (ring attention, which needs it, is not served by this backend)"
+            "Fix: call it with return_lse=False"
         )
     cp = _context_parallel_config(_parallel_config)
     if cp is None or (cp.ulysses_degree == 1 and cp.ring_degree == 1):
         return local_sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if cp.ring_degree != 1:
-        raise UlyssesAttentionError(
-            f"ring_degree={cp.ring_degree} is not supported by ulysses_sdpa; fix: ring_degree=1 (Ulysses only), "
-            "or keep diffusers' 'native' backend for ring attention"
-        )
     if attn_mask is not None and is_causal:
         raise UlyssesAttentionError(
             "pass either attn_mask or is_causal=True, not both (SDPA refuses the pair)"
         )
 
+    ulysses, ring = cp.ulysses_degree, cp.ring_degree
     group = cp._ulysses_mesh.get_group()
-    world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    _validate_qkv(query, key, value, world)
+    ring_group = cp._ring_mesh.get_group() if ring > 1 else None
+    ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
+    cp_group = cp._flattened_mesh.get_group() if ring > 1 else group
+    _validate_qkv(query, key, value, ulysses)
 
     if getattr(cp, "ulysses_anything", False):
         _check_even_lengths(query, key, group)
@@ -220,10 +228,10 @@ def ulysses_sdpa_attention(
     batch, s_q_local, heads, _ = query.shape
     kv_heads = key.shape[2]
     padded_heads = heads
-    if kv_heads == heads and heads % world:
+    if kv_heads == heads and heads % ulysses:
         # Zero heads attend uniformly to zero values: their output is zero and is dropped below, and no
         # gradient reaches them, so padding changes no number of the real heads.
-        padded_heads = -(-heads // world) * world
+        padded_heads = -(-heads // ulysses) * ulysses
         pad = (0, 0, 0, padded_heads - heads)
         query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
 
@@ -235,12 +243,26 @@ def ulysses_sdpa_attention(
             padded_heads=padded_heads,
             s_q_local=s_q_local,
             s_kv_local=key.shape[1],
-            world=world,
-            rank=rank,
-            group=group,
+            ulysses=ulysses,
+            ulysses_rank=rank,
+            ulysses_group=group,
+            ring=ring,
+            ring_rank=ring_rank,
+            cp_group=cp_group,
         )
 
-    q, k, v = seq_to_heads([query, key, value], group)  # [B, S, H/P, D] (K/V: H_kv/P)
+    if ulysses > 1:
+        q, k, v = seq_to_heads([query, key, value], group)  # [B, S/R, H/U, D] (K/V: H_kv/U)
+    else:
+        q, k, v = query, key, value
+    if ring > 1:
+        # The ring dimension: this segment's queries attend to every segment's keys and values.
+        k, v = gather_seq([k, v], ring_group)  # [B, S_kv, H/U, D]
+        if is_causal:
+            # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at ring_rank * S/R
+            rows = torch.arange(q.shape[1], device=q.device) + ring_rank * q.shape[1]
+            attn_mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None]
+            is_causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -251,7 +273,8 @@ def ulysses_sdpa_attention(
         scale=scale,
         enable_gqa=kv_heads != heads,
     ).transpose(1, 2)
-    (out,) = heads_to_seq([out], group)  # [B, S/P, H_padded, D]
+    if ulysses > 1:
+        (out,) = heads_to_seq([out], group)  # [B, S/(U R), H_padded, D]
     if padded_heads != heads:
         out = out[:, :, :heads]
     return out

@@ -24,6 +24,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_along",
     "gather_ints",
+    "gather_seq",
     "heads_to_seq",
     "seq_to_heads",
 ]
@@ -210,3 +211,72 @@ def gather_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.d
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     gathered = all_gather_along(t.unsqueeze(0), 0, group)
     return gathered.tolist()
+
+
+def _all_gather_dim0(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _gather_seq_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """``[B, S/R, H, D] -> [B, S, H, D]`` for tensors sharing (B, S/R): one fused all-gather, rank order."""
+    world = dist.get_world_size(group)
+    b, s_l = tensors[0].shape[:2]
+    widths = [t.shape[2] * t.shape[3] for t in tensors]
+    send = torch.empty((s_l, b, sum(widths)), dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for t, w in zip(tensors, widths, strict=True):
+        send[..., offset : offset + w].copy_(t.flatten(2).transpose(0, 1))
+        offset += w
+    recv = torch.empty((world * s_l, b, sum(widths)), dtype=send.dtype, device=send.device)
+    _all_gather_dim0(recv, send, group)
+    out, offset = [], 0
+    for t, w in zip(tensors, widths, strict=True):
+        out.append(recv[..., offset : offset + w].unflatten(-1, t.shape[2:]).transpose(0, 1))
+        offset += w
+    return out
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Forward: all-gather along the sequence. Backward: every rank's gradient for my chunk, summed."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.group = group
+        ctx.local_len = tensors[0].shape[1]
+        return tuple(_gather_seq_impl(tensors, group))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        rank, s_l = dist.get_rank(ctx.group), ctx.local_len
+        widths = [g.shape[2] * g.shape[3] for g in grads]
+        b = grads[0].shape[0]
+        packed = torch.empty(
+            (grads[0].shape[1], b, sum(widths)), dtype=grads[0].dtype, device=grads[0].device
+        )
+        offset = 0
+        for g, w in zip(grads, widths, strict=True):
+            packed[..., offset : offset + w].copy_(g.flatten(2).transpose(0, 1))
+            offset += w
+        # gloo has no reduce_scatter: all-reduce the packed gradients and keep this rank's chunk
+        dist.all_reduce(packed, group=ctx.group)
+        mine = packed[rank * s_l : (rank + 1) * s_l]
+        out, offset = [], 0
+        for g, w in zip(grads, widths, strict=True):
+            out.append(mine[..., offset : offset + w].unflatten(-1, g.shape[2:]).transpose(0, 1).contiguous())
+            offset += w
+        return (None, *out)
+
+
+def gather_seq(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+    """All-gather ``[B, S/R, H, D] -> [B, S, H, D]`` along the sequence (rank order), differentiable.
+
+    The ring dimension of Ulysses x Ring: each rank's queries attend to every rank's keys/values. The
+    backward sums every rank's gradient for this rank's chunk. Tensors must share (B, S/R).
+    """
+    if dist.get_world_size(group) == 1:
+        return list(tensors)
+    shapes = {tuple(t.shape[:2]) for t in tensors}
+    if len(shapes) != 1:
+        raise ValueError(f"gather_seq needs one (B, S/R) for all tensors, got {sorted(shapes)}")
+    return list(_GatherSeq.apply(group, *tensors))

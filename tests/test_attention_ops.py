@@ -74,3 +74,20 @@ def test_bad_inputs_raise_clear_errors(world):
             assert msg is not None, f"{name}: no error raised"
             for w in words:
                 assert w in msg, f"{name}: {w!r} missing from error: {msg}"
+
+
+USP_LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (ulysses, ring) on 4 ranks; dp = 4 / (ulysses * ring)
+
+
+@pytest.mark.parametrize(("ulysses", "ring"), USP_LAYOUTS, ids=[f"u{u}_r{r}" for u, r in USP_LAYOUTS])
+def test_ulysses_x_ring_parity(ulysses, ring):
+    """Ulysses x Ring: the ring dimension all-gathers K/V (backward: every rank's gradient for a chunk summed).
+    Same tolerance as above; cases whose K/V heads do not divide the Ulysses degree are skipped inside."""
+    results = run_distributed("tests.workers.attention_ops:usp_parity", 4, ulysses, ring)
+    assert len(results[0]) >= 25
+    for rank, rank_result in enumerate(results):
+        for case, errs in rank_result.items():
+            for what in ("out", "dq", "dk", "dv"):
+                assert errs[what] <= ATOL, (
+                    f"U={ulysses} R={ring} rank {rank} {case}: {what} off by {errs[what]:.3e}"
+                )

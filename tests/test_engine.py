@@ -15,12 +15,16 @@ import pytest
 from ._dist import run_distributed
 
 ATOL, RTOL = 1e-5, 1e-4
-LAYOUTS = {"sp2": (2, 2), "dp2_sp2": (4, 2)}  # name: (world, ulysses)
+LAYOUTS = {
+    "sp2": (2, 2, 1),
+    "dp2_sp2": (4, 2, 1),
+    "ring2_ulysses2": (4, 2, 2),
+}  # name: (world, ulysses, ring)
 
 
 @functools.cache
-def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage"):
-    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind)
+def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1):
+    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind, ring)
 
 
 def _close(a, b):
@@ -35,10 +39,11 @@ def _close(a, b):
     ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_flowgrpo_step_matches_one_process(layout, lora, kind):
-    """SD3 runs through sp_diffusers' plan (ragged prompts padded to the degree with masked keys)."""
-    world, sp = LAYOUTS[layout]
+    """SD3 runs through sp_diffusers' plan (ragged prompts padded to the degree with masked keys);
+    ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2."""
+    world, sp, ring = LAYOUTS[layout]
     ref = _step(1, 1, lora, kind)[0]
-    results = _step(world, sp, lora, kind)
+    results = _step(world, sp, lora, kind, ring)
     # the loss each data-parallel group reports, averaged over dp, is the single-process loss
     dp_losses = {r["dp_rank"]: r["loss"] for r in results if r["sp_rank"] == 0}
     assert abs(sum(dp_losses.values()) / len(dp_losses) - ref["loss"]) <= 1e-6

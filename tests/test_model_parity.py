@@ -1,7 +1,9 @@
 """Model level, every diffusers version of the matrix: tiny Flux, Wan, Qwen-Image (batch 2, ragged
-text mask) and SD3.5-style SD3 (sp_diffusers' plan; odd text length padded to the degree + key mask,
-against the unpadded model with diffusers' own processor) under Ulysses SP = 2 and 4 vs one process, with ``ulysses_sdpa`` and with ``native`` after
-``install()``, ``return_dict`` True and False.
+text mask) and, with sp_diffusers' plans, HunyuanVideo (T2V, and token-replace I2V whose first latent frame
+ends inside a shard; ragged text mask padded to the degree) and CogVideoX 1.5 (RoPE input; odd text length
+padded to the degree + key mask, against the unpadded model with diffusers' own processor) under Ulysses
+SP = 2 and 4 vs one process, with ``ulysses_sdpa`` and with ``native`` after ``install()``, ``return_dict``
+True and False.
 
 Tolerance: fp32, elementwise ``|sp - ref| <= 1e-5 + 1e-4 * |ref|`` for the output and for every
 parameter gradient (the all-reduced SUM over the SP group). SP changes only the order of fp32 sums
@@ -19,7 +21,7 @@ from ._matrix import MATRIX_VERSIONS, sys_path_for
 
 ATOL, KINDS, BACKENDS, RETURN_DICTS = (
     1e-5,
-    ("qwenimage", "flux", "wan"),
+    ("qwenimage", "flux", "wan", "hunyuanvideo", "hunyuanvideo_i2v", "cogvideox"),
     ("ulysses_sdpa", "native"),
     (False, True),
 )
@@ -53,3 +55,28 @@ def test_output_and_every_gradient_match_one_process(version, world, case):
         # The gradient contract: the SUM over the SP group is the full gradient, one rank's share is not.
         assert r["local_only_rel"] > 0.1, f"{version} P={world} {case}: per-rank gradients look complete"
         assert r["n_params_with_grad"] > 0.8 * r["n_params"]
+
+
+USP_VERSIONS = ("0.38.0", "0.42.1")  # diffusers refuses ring x ulysses together on 0.36
+
+
+@pytest.mark.parametrize(("world", "ring"), [(2, 2), (4, 2)], ids=["ring2", "ring2_ulysses2"])
+@pytest.mark.parametrize("version", USP_VERSIONS)
+def test_ulysses_x_ring_models_match_one_process(version, world, ring):
+    """Ulysses x Ring (USP) with ulysses_sdpa: pure ring on 2 ranks and ring 2 x ulysses 2 on 4 ranks; the
+    SP degree is no longer capped by the head count (heads need only divide the Ulysses degree)."""
+    results = run_distributed(
+        "tests.workers.models:model_parity",
+        world,
+        list(KINDS),
+        ["ulysses_sdpa"],
+        [False],
+        ring,
+        sys_path=sys_path_for(version),
+    )
+    for rank, result in enumerate(results):
+        for case, r in result["results"].items():
+            assert "error" not in r, (
+                f"{version} world={world} ring={ring} rank {rank} {case}: {r.get('error')}"
+            )
+            assert r["out_err"] <= ATOL and r["grad_err"] <= ATOL, f"{version} {case}: {r}"

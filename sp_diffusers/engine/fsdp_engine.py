@@ -79,7 +79,8 @@ class FSDPEngine:
     Args:
         model: a diffusers transformer with a context-parallel plan (Qwen-Image, Flux, Wan, ...).
         ulysses_sequence_parallel_size: the Ulysses degree (verl's flag name); 1 turns SP off.
-        ring_degree: must be 1 for now (ring attention is not served by ``ulysses_sdpa``).
+        ring_degree: the ring dimension of Ulysses x Ring (USP): SP degree = ulysses x ring, heads need only
+            divide the Ulysses degree.
         lora: add LoRA adapters before sharding and train only them.
         use_fsdp: shard with FSDP2 (``fully_shard``); False keeps replicas and all-reduces gradients.
         mixed_precision: ``"bf16"`` computes in bfloat16 with fp32 gradient reduction (FSDP only).
@@ -108,11 +109,6 @@ class FSDPEngine:
         self.lora = lora
         self.debug_checks = debug_checks
         self.use_fsdp = use_fsdp
-        if ring_degree != 1:
-            raise MeshError(
-                f"ring_degree={ring_degree} is not supported by FSDPEngine yet (ulysses_sdpa is Ulysses only); "
-                "fix: ring_degree=1 and raise ulysses_sequence_parallel_size instead"
-            )
         if mixed_precision not in (None, "bf16", "fp32"):
             raise ValueError(f"mixed_precision={mixed_precision!r}: choose None/'fp32' or 'bf16'")
         distributed = dist.is_available() and dist.is_initialized()
@@ -134,16 +130,20 @@ class FSDPEngine:
         )
         if self.mesh is not None:
             self.layout.dp_rank = self.mesh.get_local_rank("dp")
-            self.layout.sp_rank = self.mesh.get_local_rank("ulysses")
         self.dp_group = self.mesh.get_group("dp") if self.mesh is not None else None
-        self.sp_group = self.mesh.get_group("ulysses") if self.mesh is not None else None
+        self.sp_group = None
+        if self.mesh is not None:
+            # the SP group spans ring x ulysses (one sequence); ranks ordered ring-major like diffusers' shards
+            sp_mesh = self.mesh["ring", "ulysses"]._flatten("sp") if ring_degree > 1 else self.mesh["ulysses"]
+            self.sp_group = sp_mesh.get_group()
+            self.layout.sp_rank = sp_mesh.get_local_rank()
 
         model = model.to(self.device)
         if lora is not None:
             self._add_lora(model, lora)
         self._check_cp_plan(model)
         model.set_attention_backend(attention_backend)
-        if self.layout.ulysses > 1:
+        if self.layout.ulysses * ring_degree > 1:
             model.enable_parallelism(
                 config=sp_diffusers.context_parallel_config(
                     ulysses_degree=self.layout.ulysses, ring_degree=ring_degree, mesh=self.mesh

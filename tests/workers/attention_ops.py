@@ -245,3 +245,43 @@ def bad_inputs(rank: int, world: int) -> dict:
             messages[name] = None
     dist.barrier()  # every rank got here: no rank is stuck in a collective
     return messages
+
+
+def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
+    """Ulysses x Ring on a (dp, ring, ulysses) mesh: every op case vs full-sequence SDPA."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    import sp_diffusers
+    from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
+
+    mesh = sp_diffusers.build_device_mesh(ulysses_degree=ulysses, ring_degree=ring)
+    config = ParallelConfig(
+        context_parallel_config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring)
+    )
+    config.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
+    cp_world = ulysses * ring
+    # diffusers shards over the flattened (ring, ulysses) mesh: ring-major, Ulysses-minor
+    cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")
+    results: dict[str, dict[str, float]] = {}
+    for i, c in enumerate(_cases(cp_world)):
+        if c["H_kv"] % ulysses:
+            continue
+        q, k, v, dout = _case_tensors(100 + i, c["B"], c["S_q"], c["S_kv"], c["H"], c["H_kv"], c["D"])
+        mask = _build_mask(c["mask"], c, 200 + i)
+        kw = dict(is_causal=c["is_causal"], scale=c["scale"])
+        ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        ref = local_sdpa_attention(*ref_in, attn_mask=mask, **kw)
+        ref.backward(dout)
+        sp_in = [shard(t, 1, cp_rank, cp_world).clone().requires_grad_(True) for t in (q, k, v)]
+        sp_mask = mask
+        for dim in c["local_mask_dims"]:
+            sp_mask = shard(sp_mask, dim, cp_rank, cp_world)
+        out = ulysses_sdpa_attention(*sp_in, attn_mask=sp_mask, _parallel_config=config, **kw)
+        out.backward(shard(dout, 1, cp_rank, cp_world))
+        results[c["name"]] = {
+            "out": max_err(out, shard(ref, 1, cp_rank, cp_world)),
+            "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, cp_rank, cp_world)),
+            "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, cp_rank, cp_world)),
+            "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, cp_rank, cp_world)),
+        }
+    return results

@@ -22,12 +22,13 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", **flowgrpo):
+def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", ring: int = 1, **flowgrpo):
     from sp_diffusers.flowgrpo.config import TrainConfig
 
     c = TrainConfig()
     c.model.kind, c.model.image_size, c.model.overrides = kind, 8, {"num_layers": 2}
     c.parallel.ulysses_sequence_parallel_size = sp
+    c.parallel.ring_degree = ring
     c.lora.enabled = lora
     c.lora.init = False  # random A and B, so both get non-zero gradients at the first step
     c.optim.lr = 1e-3
@@ -103,10 +104,10 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
     return batch, traj, data["advantages"][sl], old
 
 
-def flowgrpo_step(rank: int, world: int, sp: int, lora: bool, kind: str = "qwenimage") -> dict:
+def flowgrpo_step(rank: int, world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1) -> dict:
     """One FlowGRPO update (2 micro-batches x 2 window steps, one optimizer step) on this layout."""
     _quiet()
-    trainer = _trainer(_config(sp, lora, kind=kind))
+    trainer = _trainer(_config(sp, lora, kind=kind, ring=ring))
     engine = trainer.engine
     data = _global_data(trainer)
     batch, traj, adv, old = _my_batch(trainer, data)

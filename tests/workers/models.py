@@ -1,4 +1,5 @@
-"""Model level: tiny Flux, Wan and Qwen-Image under Ulysses vs one process, every parameter gradient.
+"""Model level: tiny Flux, Wan, Qwen-Image, SD3, HunyuanVideo (T2V and token-replace I2V) and CogVideoX
+under Ulysses vs one process, every parameter gradient.
 
 Runs inside spawned ranks, possibly against another diffusers version (the matrix) than the parent.
 For each (model, backend, return_dict): the same seed builds the same model and inputs on every rank;
@@ -25,22 +26,33 @@ def _quiet() -> None:
     dlogging.set_verbosity(logging.ERROR)
 
 
-# SD3 runs with an odd text length (unpadded in the reference, with diffusers' own processor) and is padded
-# to the SP degree with a key mask under SP: padding + masking must give exactly the unpadded result.
-TEXT = {"sd3": {"text_len": 9, "ragged_text": False}}
+# SD3 and CogVideoX run with an odd text length (unpadded in the reference, with diffusers' own processor) and
+# are padded to the SP degree with a key mask under SP: padding + masking must give exactly the unpadded result.
+# HunyuanVideo takes a text mask of its own: ragged in the reference, padded along with the text under SP.
+TEXT = {
+    "sd3": {"text_len": 9, "ragged_text": False},
+    "hunyuanvideo": {"text_len": 9, "ragged_text": True},
+    "cogvideox": {"text_len": 9, "ragged_text": False, "frames": 4},
+    # 3 latent frames: at P = 4 the first frame's 16 tokens end inside rank 1's 12-token shard
+    "hunyuanvideo_i2v": {"text_len": 9, "ragged_text": True, "frames": 3},
+}
+# Variants of a tiny model: case name -> (tiny kind, config overrides)
+VARIANTS = {"hunyuanvideo_i2v": ("hunyuanvideo", {"image_condition_type": "token_replace"})}
 
 
 def _sp_inputs(kind: str, inputs: dict, world: int) -> dict:
-    if kind != "sd3":
+    kind = VARIANTS.get(kind, (kind,))[0]
+    if kind not in ("sd3", "hunyuanvideo", "cogvideox"):
         return inputs
     from sp_diffusers.padding import pad_text_batch
 
-    embeds, mask = pad_text_batch(inputs["encoder_hidden_states"], None, world)
-    return {
-        **inputs,
-        "encoder_hidden_states": embeds,
-        "joint_attention_kwargs": {"encoder_hidden_states_mask": mask},
-    }
+    embeds, mask = pad_text_batch(
+        inputs["encoder_hidden_states"], inputs.get("encoder_attention_mask"), world
+    )
+    if kind == "hunyuanvideo":
+        return {**inputs, "encoder_hidden_states": embeds, "encoder_attention_mask": mask}
+    kwargs_name = "joint_attention_kwargs" if kind == "sd3" else "attention_kwargs"
+    return {**inputs, "encoder_hidden_states": embeds, kwargs_name: {"encoder_hidden_states_mask": mask}}
 
 
 def _output(result, return_dict: bool) -> torch.Tensor:
@@ -54,13 +66,16 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def compare_model(kind: str, backend: str, return_dict: bool, world: int, seed: int = 0) -> dict:
+def compare_model(
+    kind: str, backend: str, return_dict: bool, world: int, seed: int = 0, ring: int = 1
+) -> dict:
     import sp_diffusers
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
-    model = tiny_model(kind, seed=seed)
+    base, overrides = VARIANTS.get(kind, (kind, {}))
+    model = tiny_model(base, seed=seed, **overrides)
     reference = copy.deepcopy(model)
-    inputs = tiny_inputs(kind, model, batch=2, seed=seed + 1, **TEXT.get(kind, {}))
+    inputs = tiny_inputs(base, model, batch=2, seed=seed + 1, **TEXT.get(kind, {}))
     g = torch.Generator().manual_seed(seed + 2)
 
     ref_out = _output(reference(**inputs, return_dict=return_dict), return_dict)
@@ -69,7 +84,9 @@ def compare_model(kind: str, backend: str, return_dict: bool, world: int, seed: 
     ref_grads = _grads(reference)
 
     model.set_attention_backend(backend)
-    model.enable_parallelism(config=sp_diffusers.context_parallel_config(ulysses_degree=world))
+    model.enable_parallelism(
+        config=sp_diffusers.context_parallel_config(ulysses_degree=world // ring, ring_degree=ring)
+    )
     out = _output(model(**_sp_inputs(kind, inputs, world), return_dict=return_dict), return_dict)
     (out * weight).mean().backward()
     local = _grads(model)
@@ -107,7 +124,7 @@ def compare_model(kind: str, backend: str, return_dict: bool, world: int, seed: 
 
 
 def model_parity(
-    rank: int, world: int, kinds: list[str], backends: list[str], return_dicts: list[bool]
+    rank: int, world: int, kinds: list[str], backends: list[str], return_dicts: list[bool], ring: int = 1
 ) -> dict:
     import diffusers
 
@@ -121,7 +138,7 @@ def model_parity(
             for rd in return_dicts:
                 key = f"{kind}/{backend}/return_dict={rd}"
                 try:
-                    results[key] = compare_model(kind, backend, rd, world)
+                    results[key] = compare_model(kind, backend, rd, world, ring=ring)
                 except Exception as err:  # reported per case; the parent asserts
                     results[key] = {"error": f"{type(err).__name__}: {err}"}
                 dist.barrier()
