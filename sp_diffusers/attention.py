@@ -7,6 +7,14 @@ Inside a diffusers model under ``enable_parallelism``, attention receives ``[B, 
    sequence under autograd, so backward is SDPA's own: no recomputation, nothing hand-derived;
 3. one all-to-all returns the output to ``[B, S/P, H, D]``.
 
+Ulysses x Ring (USP, ``ring_degree = R > 1``): after the Ulysses exchange each rank holds the queries of
+its ring segment ``[B, S/R, H/U, D]``; the ring dimension all-gathers K/V along the sequence (one fused,
+differentiable collective whose backward sums every rank's gradient for a chunk) and SDPA runs over the
+whole key range. This is the all-gather form of context parallelism: exact, autograd-native, with K/V
+memory O(S) per rank like Ulysses itself (a log-sum-exp-merging ring that streams K/V chunks would
+bound it to O(S/R); not implemented). Heads need only divide U, so the SP degree U x R is not capped
+by the head count.
+
 Masks are normalised to SDPA's 4-D form ``[b, h, q, k]`` (b in {1, B}, h in {1, H}); a dim that has
 the local length is all-gathered (a key-padding mask stays O(S)), per-head masks are sliced to the
 local heads. Heads that do not divide P are zero-padded (padded heads are dropped, so the result is
