@@ -1,0 +1,148 @@
+"""Bytes sent per attention layer, counted (not estimated), against the Ulysses minimum.
+
+    python benchmarks/comm.py [--seq 4096] [--heads 8] [--head-dim 64] [--world 2 4] [--json out.json]
+
+Every collective ``ulysses_sdpa`` and diffusers' ``native`` Ulysses issue during one attention forward
+and backward is intercepted (``torch.distributed`` functions and diffusers' functional all-to-all) and
+its bytes that leave the rank are summed: for an all-to-all that is ``(P-1)/P`` of the buffer, for an
+all-gather ``(P-1)/P`` of the output. The Ulysses minimum per direction is ``4 B S H D e (P-1) / P^2``
+(Q, K, V in and the output back, each ``B S H D e / P`` per rank, ``(P-1)/P`` of it remote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._harness import spawn, write_json
+
+
+class _Counter:
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes = 0
+        self.calls = 0
+
+    def add(self, t: torch.Tensor, kind: str) -> None:
+        n = t.numel() * t.element_size()
+        self.bytes += (
+            n * (self.world - 1) // self.world if kind in ("a2a", "gather_out") else n * (self.world - 1)
+        )
+        self.calls += 1
+
+
+@contextlib.contextmanager
+def counting(counter: _Counter):
+    import torch.distributed._functional_collectives as funcol
+
+    originals = {
+        (dist, "all_to_all_single"): dist.all_to_all_single,
+        (dist, "all_gather"): dist.all_gather,
+        (dist, "all_gather_into_tensor"): dist.all_gather_into_tensor,
+        (funcol, "all_to_all_single"): funcol.all_to_all_single,
+    }
+
+    def a2a(output, input, *args, **kwargs):
+        counter.add(input, "a2a")
+        return originals[(dist, "all_to_all_single")](output, input, *args, **kwargs)
+
+    def gather(tensor_list, tensor, *args, **kwargs):
+        counter.add(tensor, "gather_in")
+        return originals[(dist, "all_gather")](tensor_list, tensor, *args, **kwargs)
+
+    def gather_into(out, inp, *args, **kwargs):
+        counter.add(out, "gather_out")
+        return originals[(dist, "all_gather_into_tensor")](out, inp, *args, **kwargs)
+
+    def funcol_a2a(x, *args, **kwargs):
+        counter.add(x, "a2a")
+        return originals[(funcol, "all_to_all_single")](x, *args, **kwargs)
+
+    dist.all_to_all_single, dist.all_gather, dist.all_gather_into_tensor = a2a, gather, gather_into
+    funcol.all_to_all_single = funcol_a2a
+    try:
+        yield
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+
+
+def count_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, batch: int) -> dict:
+    import logging
+
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    from diffusers.models.attention_dispatch import _native_attention
+    from diffusers.utils import logging as dlogging
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sp_diffusers.attention import ulysses_sdpa_attention
+
+    dlogging.set_verbosity(logging.ERROR)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=world))
+    config.setup(rank, world, torch.device("cpu"), mesh=mesh)
+    q, k, v = (torch.randn(batch, seq // world, heads, head_dim, requires_grad=True) for _ in range(3))
+    mask = torch.ones(batch, seq // world, dtype=torch.bool)
+    out = {}
+    for name, fn, kw in (
+        ("ours", ulysses_sdpa_attention, {}),
+        ("ours_key_padding_mask", ulysses_sdpa_attention, {"attn_mask": mask}),
+        ("native", _native_attention, {}),
+    ):
+        fwd, bwd = _Counter(world), _Counter(world)
+        with counting(fwd):
+            o = fn(q, k, v, _parallel_config=config, **kw)
+        with counting(bwd):
+            o.sum().backward()
+        out[name] = {
+            "fwd_bytes": fwd.bytes,
+            "bwd_bytes": bwd.bytes,
+            "fwd_calls": fwd.calls,
+            "bwd_calls": bwd.calls,
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    print(
+        f"bytes per rank per attention layer, S={args.seq} H={args.heads} D={args.head_dim} B={args.batch} fp32"
+    )
+    for world in args.world:
+        counts = spawn(count_rank, world, args.seq, args.heads, args.head_dim, args.batch)[0]
+        minimum = 4 * args.batch * args.seq * args.heads * args.head_dim * 4 * (world - 1) // world**2
+        for name, c in counts.items():
+            row = {
+                "P": world,
+                "variant": name,
+                **c,
+                "minimum_per_direction": minimum,
+                "fwd_ratio": c["fwd_bytes"] / minimum,
+                "bwd_ratio": c["bwd_bytes"] / minimum,
+            }
+            rows.append(row)
+            print(
+                f"  P={world} {name:<22} fwd {c['fwd_bytes'] / 2**20:7.3f} MiB ({row['fwd_ratio']:.4f}x min, "
+                f"{c['fwd_calls']} collectives)  bwd {c['bwd_bytes'] / 2**20:7.3f} MiB ({row['bwd_ratio']:.4f}x min, "
+                f"{c['bwd_calls']} collectives)"
+            )
+    write_json(args.json, {"args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
