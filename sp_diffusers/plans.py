@@ -207,7 +207,7 @@ class SD3JointAttnProcessor:
         return attn.to_out[1](attn.to_out[0](image_out)), text_out
 
     def _joint_key_mask(self, text_mask: torch.Tensor, image_local: int, text_local: int) -> torch.Tensor:
-        """``[B, T]`` text mask -> the ``[B, keys]`` mask of the joint keys, in the order attention sees them."""
+        """``[B, T]`` text mask -> the ``[B, 1, 1, keys]`` mask of the joint keys, in the order attention sees them."""
         cp = getattr(self._parallel_config, "context_parallel_config", None)
         world = cp.ulysses_degree * cp.ring_degree if cp is not None else 1
         batch = text_mask.shape[0]
@@ -218,7 +218,8 @@ class SD3JointAttnProcessor:
             )
         text = text_mask.to(torch.bool).unflatten(1, (world, text_local))
         image = torch.ones((batch, world, image_local), dtype=torch.bool, device=text_mask.device)
-        return torch.cat([image, text], dim=2).flatten(1)
+        # [B, 1, 1, keys]: every backend (diffusers 0.36's native too) broadcasts a 4-D mask over heads/queries
+        return torch.cat([image, text], dim=2).flatten(1)[:, None, None, :]
 
 
 def _sd3_plan() -> dict:

@@ -21,7 +21,7 @@ from ._matrix import MATRIX_VERSIONS, sys_path_for
 
 ATOL, KINDS, BACKENDS, RETURN_DICTS = (
     1e-5,
-    ("qwenimage", "flux", "wan", "hunyuanvideo", "hunyuanvideo_i2v", "cogvideox"),
+    ("qwenimage", "flux", "wan", "sd3", "hunyuanvideo", "hunyuanvideo_i2v", "cogvideox"),
     ("ulysses_sdpa", "native"),
     (False, True),
 )
