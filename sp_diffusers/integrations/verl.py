@@ -74,6 +74,7 @@ MODEL_TYPE = "sp_diffusers_diffusion"
 SHARED_MODEL_TYPE = "diffusion_model"  # verl-omni's model type: taken only where nobody holds it
 BACKENDS = ("fsdp", "fsdp2")
 DEVICES = ("cuda", "npu", "cpu")
+SHARED_OWNERS = ("verl_omni",)  # installed packages that register SHARED_MODEL_TYPE themselves
 # batch key -> transformer forward argument (the names verl's diffusion data and our trainer use)
 INPUT_NAMES = {
     "latents": "hidden_states",
@@ -642,8 +643,11 @@ def register() -> dict[str, list[str]]:
     """Register ``SPDiffusersEngine`` with verl's ``EngineRegistry`` (idempotent); what is registered where.
 
     ``MODEL_TYPE`` for every backend x device; ``SHARED_MODEL_TYPE`` only when no other engine holds any of
-    its keys (verl asserts on duplicate keys, and a half-shared model type would pick engines by device).
+    its keys and no package of ``SHARED_OWNERS`` (verl-omni) is installed to claim it later (verl asserts on
+    duplicate keys, and a half-shared model type would pick engines by device).
     """
+    import importlib.util
+
     report: dict[str, list[str]] = {MODEL_TYPE: [], SHARED_MODEL_TYPE: []}
     others = {
         f"{c.__module__}.{c.__qualname__}"
@@ -651,6 +655,8 @@ def register() -> dict[str, list[str]]:
         for c in devices.values()
         if not _is_ours(c)
     }
+    # verl-omni registers "diffusion_model" from its own plugin, maybe after us: leave the key to it
+    others |= {name for name in SHARED_OWNERS if importlib.util.find_spec(name) is not None}
     targets = [MODEL_TYPE] if others else [MODEL_TYPE, SHARED_MODEL_TYPE]
     if others:
         logger.info(

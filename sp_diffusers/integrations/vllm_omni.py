@@ -22,7 +22,6 @@ from typing import Any
 
 ENGINE_KWARGS_PREFIX = "actor_rollout_ref.rollout.engine_kwargs.vllm_omni"
 ULYSSES_MODES = ("strict", "advanced_uaa")
-CFG_PARALLEL_SIZES = (1, 2, 3)
 # vllm-omni attention backends that compute exact softmax attention (rounding aside)
 EXACT_BACKENDS = ("TORCH_SDPA", "FLASH_ATTN", "SDPA", "FLASH_ATTENTION", "")
 
@@ -120,13 +119,6 @@ def validate(
                 f"= {product}",
                 f"set sequence_parallel_size={product} or leave it unset",
             )
-    if settings.cfg_parallel_size not in CFG_PARALLEL_SIZES:
-        raise _error(
-            f"{p}.cfg_parallel_size",
-            settings.cfg_parallel_size,
-            "vllm-omni accepts 1, 2 or 3",
-            "cfg_parallel_size=1",
-        )
     if settings.ulysses_mode not in ULYSSES_MODES:
         raise _error(
             f"{p}.ulysses_mode",
