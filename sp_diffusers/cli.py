@@ -19,14 +19,14 @@ def _report(_: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_factory(choice: str, ring_degree: int):
-    """``auto``: through verl's EngineRegistry when verl is installed (verl's flag is Ulysses only, so not
-    with a ring dimension); ``verl``: always; ``native``: never."""
+def _engine_factory(choice: str, verl_keys: bool, ring_degree: int):
+    """``auto``: through verl's EngineRegistry when the run is driven by verl keys and verl is installed
+    (verl's flag is Ulysses only, so not with a ring dimension); ``verl``: always; ``native``: never."""
     import importlib.util
     import os
 
     if choice == "native" or (
-        choice == "auto" and (importlib.util.find_spec("verl") is None or ring_degree > 1)
+        choice == "auto" and (not verl_keys or importlib.util.find_spec("verl") is None or ring_degree > 1)
     ):
         return None, "sp_diffusers.FSDPEngine"
     import torch
@@ -63,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
     plan.check_rollout(config)
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\..*")
-    factory, engine_name = _engine_factory(args.engine, config.parallel.ring_degree)
+    factory, engine_name = _engine_factory(args.engine, bool(plan.verl), config.parallel.ring_degree)
     trainer = FlowGRPOTrainer(config, engine_factory=factory)
     if trainer.rank == 0:
         print(f"engine: {engine_name}, ulysses_sequence_parallel_size={trainer.engine.sp_size}", flush=True)
@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=("auto", "verl", "native"),
         default="auto",
-        help="build the engine through verl's EngineRegistry (auto: when verl is installed) or directly",
+        help="build the engine through verl's EngineRegistry (auto: when verl keys are given and verl is "
+        "installed) or directly",
     )
     p_train.add_argument(
         "overrides",

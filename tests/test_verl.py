@@ -182,8 +182,8 @@ def test_engine_config_errors_name_the_fix():
 
 @needs_verl
 def test_flowgrpo_trainer_through_verl_registry_is_identical():
-    """The trainer with its engine built by ``EngineRegistry.new`` (the CLI's default when verl is installed)
-    produces bit-identical metrics and parameters to the directly built FSDPEngine (LoRA, SP = 2)."""
+    """The trainer with its engine built by ``EngineRegistry.new`` (what ``sp-diffusers train`` does when given
+    verl keys) produces bit-identical metrics and parameters to the directly built FSDPEngine (LoRA, SP = 2)."""
     for r in run_distributed("tests.workers.verl_engine:trainer_identity", 2, env=ENV):
         native, verl = r["native"], r["verl"]
         assert verl["has_verl_engine"] and not native["has_verl_engine"]
@@ -306,6 +306,17 @@ def test_verl_override_errors(overrides, message):
         return
     with pytest.raises(ConfigError, match=message):
         translate_overrides(overrides)
+
+
+def test_cli_builds_through_verl_only_for_verl_driven_runs():
+    """Without verl keys (the README main job) the CLI keeps the native engine and skips verl's import."""
+    from sp_diffusers.cli import _engine_factory, main
+
+    assert _engine_factory("auto", False, 1) == (None, "sp_diffusers.FSDPEngine")
+    assert _engine_factory("native", True, 1) == (None, "sp_diffusers.FSDPEngine")
+    assert _engine_factory("auto", True, 2) == (None, "sp_diffusers.FSDPEngine")  # verl's flag has no ring
+    with pytest.raises(ValueError, match=r"'not-an-override' is not key=value \(e\.g\. actor_rollout_ref"):
+        main(["train", "--iterations", "1", "not-an-override"])
 
 
 @needs_verl

@@ -12,7 +12,6 @@ export VERL_PLATFORM=${VERL_PLATFORM:-cpu}
 NNODES=1
 NPROC=2
 exec .venv/bin/torchrun --standalone --nnodes "$NNODES" --nproc_per_node "$NPROC" -m sp_diffusers.cli train \
-  --engine verl \
   --config examples/configs/tiny_qwenimage_sp2.yaml \
   actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2 \
   actor_rollout_ref.actor.strategy=fsdp2 \

@@ -10,7 +10,6 @@ NNODES=${NNODES:-1}
 model=()
 if [ -n "${MODEL_PATH:-}" ]; then model=("actor_rollout_ref.model.path=$MODEL_PATH"); fi
 exec torchrun --standalone --nnodes "$NNODES" --nproc_per_node "$NGPUS" -m sp_diffusers.cli train \
-  --engine verl \
   --config examples/configs/tiny_qwenimage_sp2.yaml \
   actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2 \
   actor_rollout_ref.actor.strategy=fsdp2 \
