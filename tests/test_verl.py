@@ -40,6 +40,11 @@ def _train(world: int, sp: int, extras: bool) -> list[dict]:
     return run_distributed("tests.workers.verl_engine:train_step", world, sp, extras, env=ENV)
 
 
+@functools.cache
+def _registry() -> dict:
+    return run_distributed("tests.workers.verl_engine:registry", 1, env=ENV)[0]
+
+
 def _ref() -> dict:
     return _train(1, 1, True)[0]
 
@@ -154,7 +159,7 @@ def test_lora_aware_weight_export():
 
 @needs_verl
 def test_registry_lookup_and_idempotent_registration():
-    r = run_distributed("tests.workers.verl_engine:registry", 1, env=ENV)[0]
+    r = _registry()
     ours = "sp_diffusers.integrations.verl.SPDiffusersEngine"
     expected_keys = {
         f"{t}/{b}/{d}"
@@ -171,7 +176,7 @@ def test_registry_lookup_and_idempotent_registration():
 
 @needs_verl
 def test_engine_config_errors_name_the_fix():
-    errors = run_distributed("tests.workers.verl_engine:config_errors", 1, env=ENV)[0]
+    errors = _registry()["config_errors"]
     assert "ulysses_sequence_parallel_size" in errors["sp3"] and "fix" in errors["sp3"]
     assert (
         "lr_scheduler_type='cosine'" in errors["cosine"]

@@ -245,6 +245,7 @@ def registry(rank: int, world: int) -> dict:
         "device": get_device_name(),
         "backend": get_nccl_backend(),
         "dist_backend": dist.get_backend(),
+        "config_errors": config_errors(rank, world),
     }
 
 
