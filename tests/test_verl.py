@@ -119,6 +119,13 @@ def test_infer_batch_and_both_loss_forms():
 
 
 @needs_verl
+def test_disable_adapter_gives_the_base_model():
+    for r in [_ref(), *_train(2, 2, True)]:
+        assert r["adapters_off_diff"] <= 1e-5  # same base weights, same layout
+        assert r["adapters_on_diff"] > 1e-3  # the trained adapters do change the prediction
+
+
+@needs_verl
 def test_checkpoint_resume_through_verl_surface():
     for r in [_ref(), *_train(2, 2, True)]:
         ckpt = r["ckpt"]

@@ -443,6 +443,11 @@ class SPDiffusersEngine(BaseEngine):
                     if torch.is_tensor(value) and key != "step":
                         state[key] = value.to(target, non_blocking=True)
 
+    def disable_adapter(self) -> contextlib.AbstractContextManager:
+        """LoRA adapters off inside (the base model: verl's reference policy); a no-op without LoRA."""
+        engine = self._engine()
+        return engine.adapters_disabled() if engine.lora is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------------------------------ optimizer
 
     def optimizer_zero_grad(self) -> None:

@@ -187,6 +187,17 @@ def train_step(rank: int, world: int, sp: int, extras: bool) -> dict:
     if rank != 0:
         result["lora"]["params"] = None
     result["export"] = _export(lora_engine)
+
+    # verl's reference policy: the LoRA engine with adapters off computes the base model (a fresh engine)
+    with lora_engine.eval_mode(), lora_engine.disable_adapter():
+        off = lora_engine.infer_batch(_local_tensordict(lora_engine, data), mse_loss)["model_output"]
+    base_engine = _engine(sp)
+    with base_engine.eval_mode():
+        base = base_engine.infer_batch(_local_tensordict(base_engine, data), mse_loss)["model_output"]
+    with lora_engine.eval_mode():
+        on = lora_engine.infer_batch(_local_tensordict(lora_engine, data), mse_loss)["model_output"]
+    result["adapters_off_diff"] = (off["model_pred"] - base["model_pred"]).abs().max().item()
+    result["adapters_on_diff"] = (on["model_pred"] - base["model_pred"]).abs().max().item()
     return result
 
 
