@@ -278,31 +278,24 @@ class FlowGRPOTrainer:
                     for k in range(g.window_size):
 
                         def loss_fn(eng, _batch, k=k, idx=idx, cond=cond, normalizer=normalizer):
-                            step = evaluate_window_step(
-                                eng,
-                                self.adapter,
-                                traj.latents[idx, k],
-                                traj.latents[idx, k + 1],
-                                self.sigmas,
-                                traj.window_start + k,
-                                cond,
-                                g.noise_level,
-                                g.cfg_scale,
-                            )
+                            def evaluate():
+                                return evaluate_window_step(
+                                    eng,
+                                    self.adapter,
+                                    traj.latents[idx, k],
+                                    traj.latents[idx, k + 1],
+                                    self.sigmas,
+                                    traj.window_start + k,
+                                    cond,
+                                    g.noise_level,
+                                    g.cfg_scale,
+                                )
+
+                            step = evaluate()
                             kl_args = {}
                             if g.kl_coef > 0:
                                 with torch.no_grad(), eng.adapters_disabled():
-                                    ref = evaluate_window_step(
-                                        eng,
-                                        self.adapter,
-                                        traj.latents[idx, k],
-                                        traj.latents[idx, k + 1],
-                                        self.sigmas,
-                                        traj.window_start + k,
-                                        cond,
-                                        g.noise_level,
-                                        g.cfg_scale,
-                                    )
+                                    ref = evaluate()  # the reference policy: the base model, adapters off
                                 kl_args = dict(
                                     prev_sample_mean=step.prev_sample_mean,
                                     ref_prev_sample_mean=ref.prev_sample_mean,

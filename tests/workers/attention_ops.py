@@ -152,12 +152,14 @@ def _build_mask(kind: str | None, c: dict, seed: int) -> torch.Tensor | None:
     raise ValueError(kind)
 
 
-def attention_parity(rank: int, world: int) -> dict:
+def _compare_cases(config, cp_rank: int, cp_world: int, kv_heads_multiple: int = 1) -> dict:
+    """Every case: the sharded op on this rank's slice vs full-sequence SDPA; max errors per case."""
     from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
 
-    config = ulysses_parallel_config(world)
     results: dict[str, dict[str, float]] = {}
-    for i, c in enumerate(_cases(world)):
+    for i, c in enumerate(_cases(cp_world)):
+        if c["H_kv"] % kv_heads_multiple:
+            continue
         q, k, v, dout = _case_tensors(100 + i, c["B"], c["S_q"], c["S_kv"], c["H"], c["H_kv"], c["D"])
         mask = _build_mask(c["mask"], c, 200 + i)
         kw = dict(is_causal=c["is_causal"], scale=c["scale"])
@@ -167,20 +169,23 @@ def attention_parity(rank: int, world: int) -> dict:
         ref = local_sdpa_attention(*ref_in, attn_mask=mask, **kw)
         ref.backward(dout)
 
-        sp_in = [shard(t, 1, rank, world).clone().requires_grad_(True) for t in (q, k, v)]
+        sp_in = [shard(t, 1, cp_rank, cp_world).clone().requires_grad_(True) for t in (q, k, v)]
         sp_mask = mask
         for dim in c["local_mask_dims"]:
-            sp_mask = shard(sp_mask, dim, rank, world)
+            sp_mask = shard(sp_mask, dim, cp_rank, cp_world)
         out = ulysses_sdpa_attention(*sp_in, attn_mask=sp_mask, _parallel_config=config, **kw)
-        out.backward(shard(dout, 1, rank, world))
+        out.backward(shard(dout, 1, cp_rank, cp_world))
         results[c["name"]] = {
-            "out": max_err(out, shard(ref, 1, rank, world)),
-            "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, rank, world)),
-            "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, rank, world)),
-            "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, rank, world)),
-            "ref_scale": ref.abs().max().item(),
+            "out": max_err(out, shard(ref, 1, cp_rank, cp_world)),
+            "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, cp_rank, cp_world)),
+            "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, cp_rank, cp_world)),
+            "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, cp_rank, cp_world)),
         }
     return results
+
+
+def attention_parity(rank: int, world: int) -> dict:
+    return _compare_cases(ulysses_parallel_config(world), rank, world)
 
 
 def dropout_is_applied(rank: int, world: int) -> dict:
@@ -252,36 +257,12 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     import sp_diffusers
-    from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
 
     mesh = sp_diffusers.build_device_mesh(ulysses_degree=ulysses, ring_degree=ring)
     config = ParallelConfig(
         context_parallel_config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring)
     )
     config.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
-    cp_world = ulysses * ring
     # diffusers shards over the flattened (ring, ulysses) mesh: ring-major, Ulysses-minor
     cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")
-    results: dict[str, dict[str, float]] = {}
-    for i, c in enumerate(_cases(cp_world)):
-        if c["H_kv"] % ulysses:
-            continue
-        q, k, v, dout = _case_tensors(100 + i, c["B"], c["S_q"], c["S_kv"], c["H"], c["H_kv"], c["D"])
-        mask = _build_mask(c["mask"], c, 200 + i)
-        kw = dict(is_causal=c["is_causal"], scale=c["scale"])
-        ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        ref = local_sdpa_attention(*ref_in, attn_mask=mask, **kw)
-        ref.backward(dout)
-        sp_in = [shard(t, 1, cp_rank, cp_world).clone().requires_grad_(True) for t in (q, k, v)]
-        sp_mask = mask
-        for dim in c["local_mask_dims"]:
-            sp_mask = shard(sp_mask, dim, cp_rank, cp_world)
-        out = ulysses_sdpa_attention(*sp_in, attn_mask=sp_mask, _parallel_config=config, **kw)
-        out.backward(shard(dout, 1, cp_rank, cp_world))
-        results[c["name"]] = {
-            "out": max_err(out, shard(ref, 1, cp_rank, cp_world)),
-            "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, cp_rank, cp_world)),
-            "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, cp_rank, cp_world)),
-            "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, cp_rank, cp_world)),
-        }
-    return results
+    return _compare_cases(config, cp_rank, ulysses * ring, kv_heads_multiple=ulysses)
