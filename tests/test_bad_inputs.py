@@ -75,20 +75,22 @@ def _installed(fn):
     return run
 
 
-def _sd3():
-    from diffusers import SD3Transformer2DModel
+def _sana():
+    # diffusers ships no context-parallel plan for Sana, and sp_diffusers adds none
+    from diffusers import SanaTransformer2DModel
 
-    return SD3Transformer2DModel(
-        sample_size=8,
-        patch_size=2,
+    return SanaTransformer2DModel(
         in_channels=4,
-        num_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=16,
-        caption_projection_dim=16,
-        pooled_projection_dim=16,
         out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_cross_attention_heads=2,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16,
+        caption_channels=16,
+        sample_size=8,
+        patch_size=1,
     )
 
 
@@ -181,11 +183,16 @@ CASES = [
     ),
     (
         "model_without_cp_plan",
-        lambda mp, tp: _engine(_sd3()),
+        lambda mp, tp: _engine(_sana()),
         ValueError,
-        ["SD3Transformer2DModel", "_cp_plan", "fix"],
+        ["SanaTransformer2DModel", "_cp_plan", "fix"],
     ),
-    ("ring_degree_in_engine", lambda mp, tp: _engine(ring_degree=2), ValueError, ["ring_degree=2", "fix"]),
+    (
+        "ring_degree_exceeds_world_in_engine",
+        lambda mp, tp: _engine(ring_degree=2),
+        ValueError,
+        ["ulysses_degree * ring_degree = 1 * 2 = 2", "world size 1", "fix"],
+    ),
     (
         "mixed_precision_unknown",
         lambda mp, tp: _engine(mixed_precision="fp8"),
