@@ -7,13 +7,11 @@ Inside a diffusers model under ``enable_parallelism``, attention receives ``[B, 
    sequence under autograd, so backward is SDPA's own: no recomputation, nothing hand-derived;
 3. one all-to-all returns the output to ``[B, S/P, H, D]``.
 
-Ulysses x Ring (USP, ``ring_degree = R > 1``): after the Ulysses exchange each rank holds the queries of
-its ring segment ``[B, S/R, H/U, D]``; the ring dimension all-gathers K/V along the sequence (one fused,
-differentiable collective whose backward sums every rank's gradient for a chunk) and SDPA runs over the
-whole key range. This is the all-gather form of context parallelism: exact, autograd-native, with K/V
-memory O(S) per rank like Ulysses itself (a log-sum-exp-merging ring that streams K/V chunks would
-bound it to O(S/R); not implemented). Heads need only divide U, so the SP degree U x R is not capped
-by the head count.
+Ulysses x Ring (USP, ``ring_degree = R > 1``): after the Ulysses exchange each rank holds the queries and
+K/V of its ring segment ``[B, S/R, H/U, D]``; K/V segments then stream around the ring and partial results
+merge by log-sum-exp (``sp_diffusers.ring``: exact, backward included, K/V memory O(S/R)). With dropout
+the ring all-gathers K/V instead (one softmax over every key). Heads need only divide U, so the SP
+degree U x R is not capped by the head count.
 
 Masks are normalised to SDPA's 4-D form ``[b, h, q, k]`` (b in {1, B}, h in {1, H}); a dim that has
 the local length is all-gathered (a key-padding mask stays O(S)), per-head masks are sliced to the
@@ -30,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import all_gather_along, gather_ints, gather_seq, heads_to_seq, seq_to_heads
+from .ring import ring_attention
 
 if TYPE_CHECKING:  # pragma: no cover
     from diffusers.models._modeling_parallel import ParallelConfig
@@ -263,24 +262,38 @@ def ulysses_sdpa_attention(
         q, k, v = seq_to_heads([query, key, value], group)  # [B, S/R, H/U, D] (K/V: H_kv/U)
     else:
         q, k, v = query, key, value
-    if ring > 1:
-        # The ring dimension: this segment's queries attend to every segment's keys and values.
-        k, v = gather_seq([k, v], ring_group)  # [B, S_kv, H/U, D]
-        if is_causal:
-            # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at ring_rank * S/R
-            rows = torch.arange(q.shape[1], device=q.device) + ring_rank * q.shape[1]
-            attn_mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None]
-            is_causal = False
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=kv_heads != heads,
-    ).transpose(1, 2)
+    if ring > 1 and dropout_p == 0.0:
+        # The ring dimension: K/V segments stream around the ring, results merge by log-sum-exp.
+        if k.shape[2] != q.shape[2]:
+            k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2) for t in (k, v))
+        out = ring_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            ring_group,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+        ).transpose(1, 2)
+    else:
+        if ring > 1:
+            # Dropout needs one softmax over all keys: all-gather K/V instead of streaming them.
+            k, v = gather_seq([k, v], ring_group)  # [B, S_kv, H/U, D]
+            if is_causal:
+                # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at ring_rank * S/R
+                rows = torch.arange(q.shape[1], device=q.device) + ring_rank * q.shape[1]
+                attn_mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None]
+                is_causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=kv_heads != heads,
+        ).transpose(1, 2)
     if ulysses > 1:
         (out,) = heads_to_seq([out], group)  # [B, S/(U R), H_padded, D]
     if padded_heads != heads:

@@ -73,9 +73,11 @@ def _case_tensors(seed: int, B: int, S_q: int, S_kv: int, H: int, H_kv: int, D: 
     return q, k, v, dout
 
 
-def _padding_mask(B: int, S_kv: int, seed: int) -> torch.Tensor:
+def _padding_mask(B: int, S_kv: int, seed: int, shortest: int | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(S_kv // 3, S_kv + 1, (B,), generator=g)
+    lengths = torch.randint(S_kv // 3 if shortest is None else shortest, S_kv + 1, (B,), generator=g)
+    if shortest is not None:
+        lengths[0] = shortest
     return torch.arange(S_kv)[None, :] < lengths[:, None]  # [B, S_kv] bool, ragged
 
 
@@ -103,7 +105,10 @@ def _cases(world: int) -> list[dict]:
     add("key_padding_4d_local_bool", mask="kp4d", local_mask_dims=(-1,))
     add("key_padding_4d_global_additive", mask="kp4d_add")
     add("key_padding_4d_local_additive", mask="kp4d_add", local_mask_dims=(-1,))
+    # one sample keeps only its first keys: whole K/V segments (ring chunks) are masked out for it
+    add("key_padding_short_local", mask="kp2d_short", local_mask_dims=(-1,))
     add("full_4d_global_bool", mask="full")
+    add("full_4d_empty_rows", mask="full_empty_rows")
     add("full_4d_local_rows_bool", mask="full", local_mask_dims=(-2,))
     add("full_4d_global_additive", mask="full_add")
     add("broadcast_2d_sq_skv", mask="sq_skv", B=3)
@@ -131,6 +136,8 @@ def _build_mask(kind: str | None, c: dict, seed: int) -> torch.Tensor | None:
         return None
     if kind == "kp2d":
         return _padding_mask(B, S_kv, seed)
+    if kind == "kp2d_short":
+        return _padding_mask(B, S_kv, seed, shortest=2)
     if kind == "kp4d":
         return _padding_mask(B, S_kv, seed)[:, None, None, :]
     if kind == "kp4d_add":
@@ -139,7 +146,12 @@ def _build_mask(kind: str | None, c: dict, seed: int) -> torch.Tensor | None:
     if kind in ("full", "per_head"):
         h = H if kind == "per_head" else 1
         m = torch.rand(B, h, S_q, S_kv, generator=g) > 0.3
-        m[..., 0] = True  # no fully masked row (SDPA returns NaN there in both paths)
+        m[..., 0] = True  # no fully masked row here; "full_empty_rows" has them
+        return m
+    if kind == "full_empty_rows":
+        m = torch.rand(B, 1, S_q, S_kv, generator=g) > 0.3
+        m[..., 0] = True
+        m[:, :, ::5] = False  # rows that see no key: SDPA's CPU kernels give output 0 and gradient 0
         return m
     if kind == "full_add":
         return torch.randn(B, 1, S_q, S_kv, generator=g)
@@ -253,10 +265,19 @@ def bad_inputs(rank: int, world: int) -> dict:
 
 
 def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
-    """Ulysses x Ring on a (dp, ring, ulysses) mesh: every op case vs full-sequence SDPA."""
+    """Ulysses x Ring on a (dp, ring, ulysses) mesh: every op case vs full-sequence SDPA.
+
+    With a ring, each case runs twice: with the CPU flash kernel (its log-sum-exp) and with the
+    plain-math kernel other devices use ("math:" cases). K/V must stream: the all-gather is disabled
+    while they run. Extra ring-only entries: bf16, and dropout (which takes the all-gather path).
+    """
+    from unittest import mock
+
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     import sp_diffusers
+    from sp_diffusers import attention
+    from sp_diffusers import ring as ring_mod
 
     mesh = sp_diffusers.build_device_mesh(ulysses_degree=ulysses, ring_degree=ring)
     config = ParallelConfig(
@@ -265,4 +286,42 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
     config.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
     # diffusers shards over the flattened (ring, ulysses) mesh: ring-major, Ulysses-minor
     cp_rank = mesh.get_local_rank("ring") * ulysses + mesh.get_local_rank("ulysses")
-    return _compare_cases(config, cp_rank, ulysses * ring, kv_heads_multiple=ulysses)
+    cp_world = ulysses * ring
+    if ring == 1:
+        return _compare_cases(config, cp_rank, cp_world, kv_heads_multiple=ulysses)
+
+    def no_gather(*_a, **_k):
+        raise AssertionError("K/V were all-gathered: the ring must stream them")
+
+    with mock.patch.object(attention, "gather_seq", no_gather):
+        results = _compare_cases(config, cp_rank, cp_world, kv_heads_multiple=ulysses)
+        with mock.patch.object(ring_mod, "_use_cpu_flash", lambda t: False):
+            math = _compare_cases(config, cp_rank, cp_world, kv_heads_multiple=ulysses)
+    results.update({f"math:{name}": errs for name, errs in math.items()})
+
+    # bf16: same ring, compared with fp32 SDPA; the bar is bf16 rounding of O(1) values (see the test)
+    q, k, v, dout = _case_tensors(11, 2, 8 * cp_world, 8 * cp_world, 2 * ulysses, 2 * ulysses, 16)
+    ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = attention.local_sdpa_attention(*ref_in)
+    ref.backward(dout)
+    sp_in = [shard(t, 1, cp_rank, cp_world).bfloat16().requires_grad_(True) for t in (q, k, v)]
+    out = attention.ulysses_sdpa_attention(*sp_in, _parallel_config=config)
+    out.backward(shard(dout, 1, cp_rank, cp_world).bfloat16())
+    results["bf16"] = {
+        "out": max_err(out, shard(ref, 1, cp_rank, cp_world)),
+        "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, cp_rank, cp_world)),
+        "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, cp_rank, cp_world)),
+        "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, cp_rank, cp_world)),
+    }
+
+    # dropout > 0 goes through the all-gather and must change the result; p = 0 must reproduce it
+    q_l, k_l, v_l = (shard(t, 1, cp_rank, cp_world) for t in (q, k, v))
+    plain = attention.ulysses_sdpa_attention(q_l, k_l, v_l, _parallel_config=config)
+    torch.manual_seed(rank)
+    dropped = attention.ulysses_sdpa_attention(q_l, k_l, v_l, dropout_p=0.5, _parallel_config=config)
+    results["dropout"] = {
+        "changes_output": max_err(plain, dropped),
+        "finite": float(torch.isfinite(dropped).all()),
+        "no_dropout_matches_reference": max_err(plain, shard(ref, 1, cp_rank, cp_world)),
+    }
+    return results
