@@ -93,8 +93,9 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], repeats: int, warmup: i
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
-def peak_bytes(fn: Callable[[], Any]) -> int:
-    """Peak bytes allocated by ``fn`` above what was live when it started (CPU, via the profiler)."""
+def memory_profile(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(peak, retained): bytes allocated by ``fn`` above what was live when it started, at their maximum
+    and at the end (what ``fn`` left alive, e.g. activations a forward saved for backward). CPU, profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -104,7 +105,12 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
     for e in sorted(events, key=lambda e: e.start_ns()):
         current += e.nbytes()
         peak = max(peak, current)
-    return peak
+    return peak, current
+
+
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes allocated by ``fn`` above what was live when it started (CPU, via the profiler)."""
+    return memory_profile(fn)[0]
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -29,42 +29,79 @@ class _Counter:
         self.bytes = 0
         self.calls = 0
 
-    def add(self, t: torch.Tensor, kind: str) -> None:
+    def add(self, t: torch.Tensor, kind: str, group=None) -> None:
+        """Bytes of ``t`` that leave this rank; the fraction depends on the collective's own group size."""
         n = t.numel() * t.element_size()
-        self.bytes += (
-            n * (self.world - 1) // self.world if kind in ("a2a", "gather_out") else n * (self.world - 1)
-        )
+        p = dist.get_world_size(group) if group is not None else self.world
+        if kind in ("a2a", "gather_out"):
+            self.bytes += n * (p - 1) // p
+        elif kind == "all_reduce":  # ring all-reduce: reduce-scatter + all-gather
+            self.bytes += 2 * n * (p - 1) // p
+        else:  # gather_in: my tensor goes to every peer
+            self.bytes += n * (p - 1)
         self.calls += 1
+
+
+def _group(args: tuple, kwargs: dict, position: int):
+    """The ``group`` argument of a torch.distributed call, positional or keyword (None = world)."""
+    if "group" in kwargs:
+        return kwargs["group"]
+    return args[position] if len(args) > position else None
 
 
 @contextlib.contextmanager
 def counting(counter: _Counter):
+    """Count every collective and point-to-point send issued inside the block."""
     import torch.distributed._functional_collectives as funcol
 
     originals = {
         (dist, "all_to_all_single"): dist.all_to_all_single,
         (dist, "all_gather"): dist.all_gather,
         (dist, "all_gather_into_tensor"): dist.all_gather_into_tensor,
+        (dist, "all_reduce"): dist.all_reduce,
         (funcol, "all_to_all_single"): funcol.all_to_all_single,
+        (dist, "batch_isend_irecv"): dist.batch_isend_irecv,
     }
+    if hasattr(dist, "all_gather_single"):
+        originals[(dist, "all_gather_single")] = dist.all_gather_single
 
     def a2a(output, input, *args, **kwargs):
-        counter.add(input, "a2a")
+        counter.add(input, "a2a", _group(args, kwargs, 2))
         return originals[(dist, "all_to_all_single")](output, input, *args, **kwargs)
 
     def gather(tensor_list, tensor, *args, **kwargs):
-        counter.add(tensor, "gather_in")
+        counter.add(tensor, "gather_in", _group(args, kwargs, 0))
         return originals[(dist, "all_gather")](tensor_list, tensor, *args, **kwargs)
 
     def gather_into(out, inp, *args, **kwargs):
-        counter.add(out, "gather_out")
+        counter.add(out, "gather_out", _group(args, kwargs, 0))
         return originals[(dist, "all_gather_into_tensor")](out, inp, *args, **kwargs)
+
+    def gather_single(out, inp, *args, **kwargs):
+        counter.add(out, "gather_out", _group(args, kwargs, 0))
+        return originals[(dist, "all_gather_single")](out, inp, *args, **kwargs)
+
+    def reduce(tensor, *args, **kwargs):
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        counter.add(tensor, "all_reduce", group)
+        return originals[(dist, "all_reduce")](tensor, *args, **kwargs)
 
     def funcol_a2a(x, *args, **kwargs):
         counter.add(x, "a2a")
         return originals[(funcol, "all_to_all_single")](x, *args, **kwargs)
 
+    def p2p(ops, *args, **kwargs):
+        # the ring's neighbour exchange: every isend leaves the rank whole (one call per batch)
+        counter.bytes += sum(
+            op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend
+        )
+        counter.calls += 1
+        return originals[(dist, "batch_isend_irecv")](ops, *args, **kwargs)
+
     dist.all_to_all_single, dist.all_gather, dist.all_gather_into_tensor = a2a, gather, gather_into
+    dist.all_reduce, dist.batch_isend_irecv = reduce, p2p
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single = gather_single
     funcol.all_to_all_single = funcol_a2a
     try:
         yield

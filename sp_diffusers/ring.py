@@ -174,10 +174,8 @@ class _RingAttention(torch.autograd.Function):
                 new_lse = torch.logaddexp(lse, lse_j)
                 # rows that saw no key yet keep lse -inf; exp(-inf - -inf) would be nan, so guard the shift
                 shift = torch.where(torch.isneginf(new_lse), 0.0, new_lse)
-                out = (
-                    out * torch.exp(lse - shift)[..., None]
-                    + o_j.float() * torch.exp(lse_j - shift)[..., None]
-                )
+                out.mul_(torch.exp(lse - shift)[..., None])
+                out.add_(o_j.float().mul_(torch.exp(lse_j - shift)[..., None]))
                 lse = new_lse
             _Ring.wait(requests)
             kv, spare = spare, kv
