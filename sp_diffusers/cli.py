@@ -19,14 +19,14 @@ def _report(_: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_factory(choice: str, verl_keys: bool, ring_degree: int):
-    """``auto``: through verl's EngineRegistry when the run is driven by verl keys and verl is installed
-    (verl's flag is Ulysses only, so not with a ring dimension); ``verl``: always; ``native``: never."""
+def _engine_factory(choice: str, verl_keys: bool):
+    """``auto``: through verl's EngineRegistry when the run is driven by verl keys and verl is installed;
+    ``verl``: always; ``native``: never."""
     import importlib.util
     import os
 
     if choice == "native" or (
-        choice == "auto" and (not verl_keys or importlib.util.find_spec("verl") is None or ring_degree > 1)
+        choice == "auto" and (not verl_keys or importlib.util.find_spec("verl") is None)
     ):
         return None, "sp_diffusers.FSDPEngine"
     import torch
@@ -63,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
     plan.check_rollout(config)
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\..*")
-    factory, engine_name = _engine_factory(args.engine, bool(plan.verl), config.parallel.ring_degree)
+    factory, engine_name = _engine_factory(args.engine, bool(plan.verl))
     trainer = FlowGRPOTrainer(config, engine_factory=factory)
     if trainer.rank == 0:
         print(f"engine: {engine_name}, ulysses_sequence_parallel_size={trainer.engine.sp_size}", flush=True)

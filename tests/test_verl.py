@@ -36,8 +36,8 @@ LAYOUTS = {"sp2": (2, 2), "dp2_sp2": (4, 2)}  # name: (world, ulysses)
 
 
 @functools.cache
-def _train(world: int, sp: int, extras: bool) -> list[dict]:
-    return run_distributed("tests.workers.verl_engine:train_step", world, sp, extras, env=ENV)
+def _train(world: int, sp: int, extras: bool, ring: int = 1, eps: float | None = None) -> list[dict]:
+    return run_distributed("tests.workers.verl_engine:train_step", world, sp, extras, ring, eps, env=ENV)
 
 
 @functools.cache
@@ -97,6 +97,24 @@ def test_mesh_layout_from_verl_flag(layout):
 def test_train_batch_matches_one_process(layout):
     world, sp = LAYOUTS[layout]
     _assert_step("full", _train(world, sp, layout == "sp2"), _ref(), f"{layout} full")
+
+
+@needs_verl
+def test_train_batch_ulysses_x_ring_matches_one_process():
+    """verl's Ulysses flag = 2 plus ``model_config.ring_degree=2`` on 4 ranks: one sample over all four
+    (dp 1), outputs from rank 0 only, and the step equals one process.
+
+    AdamW eps = 1e-3 (= lr) here: the ring sums attention in another order than one SDPA call, and with
+    eps 1e-8 the first Adam step is lr * g / (|g| + 1e-8), which turns ~1e-9 rounding in a near-zero
+    gradient into a visible share of lr. With eps = lr the update is ~g for small g, so the parameter
+    check compares gradients at the usual 1e-5 + 1e-4 |ref| instead of amplifying their rounding."""
+    results = _train(4, 2, False, 2, 1e-3)
+    for r in results:
+        lay = r["layout"]
+        assert lay["mesh"] == {"dp": 1, "ring": 2, "ulysses": 2}
+        assert lay["dp_size"] == 1 and lay["dp_rank"] == 0 and lay["dp_group_ranks"] == [lay["rank"]]
+        assert lay["sp_group_ranks"] == [0, 1, 2, 3] and lay["src"] == (lay["rank"] == 0)
+    _assert_step("full", results, _train(1, 1, False, 1, 1e-3)[0], "ring2_ulysses2 full")
 
 
 @needs_verl
@@ -253,6 +271,7 @@ def test_verl_overrides_map_onto_train_config():
             "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
             "actor_rollout_ref.actor.strategy=fsdp2",
             "actor_rollout_ref.model.path=/ckpt/transformer",
+            "+actor_rollout_ref.model.ring_degree=2",
             "actor_rollout_ref.actor.optim.lr=1e-4",
             "+actor_rollout_ref.model.lora_rank=16",
             "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
@@ -263,7 +282,7 @@ def test_verl_overrides_map_onto_train_config():
         ]
     )
     config = load_config(None, plan.overrides)
-    assert config.parallel.ulysses_sequence_parallel_size == 2
+    assert config.parallel.ulysses_sequence_parallel_size == 2 and config.parallel.ring_degree == 2
     assert config.parallel.use_fsdp is True
     assert config.model.pretrained == "/ckpt/transformer"
     assert config.optim.lr == 1e-4 and isinstance(config.optim.lr, float)  # "1e-4": a YAML 1.1 string
@@ -324,9 +343,8 @@ def test_cli_builds_through_verl_only_for_verl_driven_runs():
     """Without verl keys (the README main job) the CLI keeps the native engine and skips verl's import."""
     from sp_diffusers.cli import _engine_factory, main
 
-    assert _engine_factory("auto", False, 1) == (None, "sp_diffusers.FSDPEngine")
-    assert _engine_factory("native", True, 1) == (None, "sp_diffusers.FSDPEngine")
-    assert _engine_factory("auto", True, 2) == (None, "sp_diffusers.FSDPEngine")  # verl's flag has no ring
+    assert _engine_factory("auto", False) == (None, "sp_diffusers.FSDPEngine")
+    assert _engine_factory("native", True) == (None, "sp_diffusers.FSDPEngine")
     with pytest.raises(ValueError, match=r"'not-an-override' is not key=value \(e\.g\. actor_rollout_ref"):
         main(["train", "--iterations", "1", "not-an-override"])
 

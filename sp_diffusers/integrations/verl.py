@@ -122,6 +122,9 @@ class DiffusionModelConfig:
     debug_checks: bool = False
     use_fsdp: bool = True
     device: str | None = None  # None: from verl's platform (cpu under VERL_PLATFORM=cpu, else cuda/npu)
+    # Ulysses x Ring: verl's FSDPEngineConfig carries the Ulysses degree only (and refuses unknown keys),
+    # so the ring degree rides here (actor_rollout_ref.model.ring_degree); SP degree = ulysses x ring.
+    ring_degree: int = 1
 
 
 def engine_loss(fn: Callable[[FSDPEngine, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]) -> Callable:
@@ -261,14 +264,17 @@ class SPDiffusersEngine(BaseEngine):
         if strategy not in BACKENDS:
             raise _config_error("actor_rollout_ref.actor.strategy", strategy, "strategy=fsdp2 (or fsdp)")
         self.sp_size = _get(engine_config, "ulysses_sequence_parallel_size", 1)
+        self.ring_degree = _get(model_config, "ring_degree", 1)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         try:
-            self.dp_size = validate_degrees(self.world, self.sp_size)
+            self.dp_size = validate_degrees(self.world, self.sp_size, self.ring_degree)
         except MeshError as err:
             raise MeshError(
-                f"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size: {err}"
+                "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size x "
+                f"actor_rollout_ref.model.ring_degree: {err}"
             ) from err
+        self.cp_size = self.sp_size * self.ring_degree  # ranks that share one sample
         fsdp_size = int(_get(engine_config, "fsdp_size", -1))
         if fsdp_size not in (-1, self.world):
             raise _config_error(
@@ -347,6 +353,7 @@ class SPDiffusersEngine(BaseEngine):
         self.fsdp = FSDPEngine(
             self._build_model(),
             ulysses_sequence_parallel_size=self.sp_size,
+            ring_degree=self.ring_degree,
             optim=self._optim,
             lora=self._lora(),
             use_fsdp=bool(_get(self.model_config, "use_fsdp", True)),
@@ -378,8 +385,8 @@ class SPDiffusersEngine(BaseEngine):
         return self.dp_size
 
     def get_data_parallel_rank(self) -> int:
-        # Ulysses is the fastest-varying mesh dim, so SP groups are blocks of adjacent ranks
-        return self.fsdp.dp_rank if self.fsdp is not None else self.rank // self.sp_size
+        # (dp, ring, ulysses): the ranks sharing one sample are blocks of ulysses x ring adjacent ranks
+        return self.fsdp.dp_rank if self.fsdp is not None else self.rank // self.cp_size
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self._engine().dp_group
@@ -389,7 +396,7 @@ class SPDiffusersEngine(BaseEngine):
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         """True on SP rank 0 of each group: the rank whose outputs and metrics verl collects."""
-        return self.fsdp.is_sp_src_rank if self.fsdp is not None else self.rank % self.sp_size == 0
+        return self.fsdp.is_sp_src_rank if self.fsdp is not None else self.rank % self.cp_size == 0
 
     # ----------------------------------------------------------------------------------------- modes
 
@@ -710,11 +717,6 @@ def fsdp_engine_via_verl(
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
 
-    if ring_degree != 1:
-        raise MeshError(
-            f"ring_degree={ring_degree}: verl's engine config has a Ulysses degree only "
-            "(ulysses_sequence_parallel_size); fix: ring_degree=1, or build FSDPEngine directly (--engine native)"
-        )
     if lora is not None and lora.adapter_name != "default":
         raise _config_error("lora.adapter_name", lora.adapter_name, "adapter_name='default'")
     o = optim or OptimSettings()
@@ -744,6 +746,7 @@ def fsdp_engine_via_verl(
         debug_checks=debug_checks,
         use_fsdp=use_fsdp,
         device=str(device) if device is not None else None,
+        ring_degree=ring_degree,
     )
     verl_engine = EngineRegistry.new(
         model_type=MODEL_TYPE,

@@ -48,6 +48,7 @@ STRATEGIES = ("fsdp", "fsdp2")  # both mean FSDP2 (fully_shard) in sp-diffusers
 VERL_KEYS: dict[str, str] = {
     SP_KEY: "parallel.ulysses_sequence_parallel_size",
     "actor_rollout_ref.model.path": "model.pretrained",
+    "actor_rollout_ref.model.ring_degree": "parallel.ring_degree",
     "actor_rollout_ref.model.lora_alpha": "lora.alpha",
     "actor_rollout_ref.model.target_modules": "lora.target_modules",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "parallel.activation_checkpointing",

@@ -34,7 +34,7 @@ def _plugin():
     return plugin
 
 
-def _engine(sp: int, lora: bool = False):
+def _engine(sp: int, lora: bool = False, ring: int = 1, eps: float | None = None):
     plugin = _plugin()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
@@ -51,10 +51,13 @@ def _engine(sp: int, lora: bool = False):
             lora_rank=4 if lora else 0,
             lora_alpha=8.0,
             lora_init_weights=False,  # random A and B: both get gradients at the first step
+            ring_degree=ring,
         ),
         engine_config=engine_config,
         # no clipping and no weight decay: the step itself is compared
-        optimizer_config=FSDPOptimizerConfig(lr=LR, clip_grad=1e9, weight_decay=0.0),
+        optimizer_config=FSDPOptimizerConfig(
+            lr=LR, clip_grad=1e9, weight_decay=0.0, override_optimizer_config={"eps": eps} if eps else None
+        ),
         checkpoint_config=CheckpointConfig(),
     )
     engine.initialize()
@@ -144,10 +147,10 @@ def _step(engine, data: dict) -> dict:
     }
 
 
-def train_step(rank: int, world: int, sp: int, extras: bool) -> dict:
+def train_step(rank: int, world: int, sp: int, extras: bool, ring: int = 1, eps: float | None = None) -> dict:
     """One ``train_batch`` (full fine-tuning; with ``extras`` also LoRA, inference, both loss forms,
-    checkpoint save/resume and the rollout weight export) on this layout."""
-    engine = _engine(sp)
+    checkpoint save/resume and the rollout weight export) on this layout; ``eps``: AdamW's epsilon."""
+    engine = _engine(sp, ring=ring, eps=eps)
     data = _global_data(engine.fsdp.model)
     result = {"layout": _layout(engine), "full": _step(engine, data)}
     if rank != 0:
