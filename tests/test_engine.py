@@ -35,11 +35,12 @@ def _close(a, b):
 @pytest.mark.parametrize(
     ("layout", "lora", "kind"),
     [(layout, lora, "qwenimage") for layout in sorted(LAYOUTS) for lora in (False, True)]
-    + [("sp2", False, "sd3")],
+    + [("sp2", False, "sd3_pipeline")],
     ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_flowgrpo_step_matches_one_process(layout, lora, kind):
-    """SD3 runs through sp_diffusers' plan (ragged prompts padded to the degree with masked keys);
+    """SD3 runs through sp_diffusers' plan, from a real StableDiffusion3Pipeline folder whose own CLIP/T5
+    encoders give the text and pooled inputs (text padded to the degree with a masked key);
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2."""
     world, sp, ring = LAYOUTS[layout]
     ref = _step(1, 1, lora, kind)[0]

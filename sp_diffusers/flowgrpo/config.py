@@ -32,9 +32,11 @@ class ModelConfig:
 
 @dataclass
 class TextConfig:
-    hidden_size: int = 32
+    hidden_size: int = 32  # the built-in byte-level encoder (used when `pipeline` is empty)
     num_layers: int = 1
     seed: int = 1234
+    pipeline: str = ""  # a diffusers pipeline folder whose own text encoders encode the prompts (SD3/SD3.5)
+    max_sequence_length: int = 256  # T5 tokens for a pipeline encoder
 
 
 @dataclass

@@ -35,7 +35,12 @@ class QwenImageAdapter:
         return latents
 
     def inputs(
-        self, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        pooled: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         batch = latents.shape[0]
         kwargs: dict[str, Any] = dict(
@@ -52,7 +57,8 @@ class QwenImageAdapter:
 
 @dataclass(frozen=True)
 class SD3Adapter:
-    """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, timestep = sigma * 1000, pooled text = masked mean.
+    """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, timestep = sigma * 1000, pooled text from the
+    pipeline's CLIP encoders when the text encoder gives it, else the masked mean of the embeddings.
 
     SD3 has no text mask of its own; the padded text keys are masked through ``joint_attention_kwargs``,
     which sp_diffusers' SD3 processor (``sp_diffusers.plans``) honours, so padding to the SP degree is exact.
@@ -74,11 +80,18 @@ class SD3Adapter:
         return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
 
     def inputs(
-        self, latents: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        pooled: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         batch = latents.shape[0]
-        weights = mask.to(embeds.dtype)[..., None]
-        pooled = (embeds * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        if pooled is None:
+            weights = mask.to(embeds.dtype)[..., None]
+            pooled = (embeds * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        pooled = pooled.to(embeds.dtype)
         return dict(
             hidden_states=latents,
             encoder_hidden_states=embeds,
@@ -88,8 +101,11 @@ class SD3Adapter:
         )
 
 
-def build_adapter(model: torch.nn.Module, image_size: int) -> QwenImageAdapter | SD3Adapter:
-    """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching)."""
+def build_adapter(
+    model: torch.nn.Module, image_size: int, pooled_from_encoder: bool = False
+) -> QwenImageAdapter | SD3Adapter:
+    """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching);
+    ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input itself."""
     from ..compat import diffusers_version
 
     name = type(model).__name__.removeprefix("FSDP")
@@ -109,10 +125,11 @@ def build_adapter(model: torch.nn.Module, image_size: int) -> QwenImageAdapter |
             raise ValueError(
                 f"model.image_size={image_size} must be a multiple of the patch size {config.patch_size}"
             )
-        if config.joint_attention_dim != config.pooled_projection_dim:
+        if not pooled_from_encoder and config.joint_attention_dim != config.pooled_projection_dim:
             raise ValueError(
                 f"the FlowGRPO SD3 adapter pools the text embeddings ({config.joint_attention_dim}) into "
-                f"pooled_projections ({config.pooled_projection_dim}); they must be equal"
+                f"pooled_projections ({config.pooled_projection_dim}); they must be equal, or encode prompts with "
+                "the pipeline's own text encoders (text.pipeline=<pipeline folder>), which give the pooled input"
             )
         return SD3Adapter(image_size, image_size, config.in_channels, config.patch_size)
     raise ValueError(

@@ -35,12 +35,22 @@ def velocity(
     dtype = next(engine.model.parameters()).dtype
     x = latents.to(dtype)
     v = engine.forward(
-        **adapter.inputs(x, sigma, cond["prompt_embeds"].to(dtype), cond["prompt_embeds_mask"])
+        **adapter.inputs(
+            x,
+            sigma,
+            cond["prompt_embeds"].to(dtype),
+            cond["prompt_embeds_mask"],
+            cond.get("pooled_prompt_embeds"),
+        )
     )
     if cfg_scale > 1.0:
         v_neg = engine.forward(
             **adapter.inputs(
-                x, sigma, cond["negative_prompt_embeds"].to(dtype), cond["negative_prompt_embeds_mask"]
+                x,
+                sigma,
+                cond["negative_prompt_embeds"].to(dtype),
+                cond["negative_prompt_embeds_mask"],
+                cond.get("negative_pooled_prompt_embeds"),
             )
         )
         v = v_neg + cfg_scale * (v - v_neg)

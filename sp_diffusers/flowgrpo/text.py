@@ -1,4 +1,5 @@
-"""Prompts for the embedded default: a tiny, randomly initialised ``transformers`` text model over UTF-8 bytes.
+"""Prompt encoders: the embedded default (a tiny, random ``transformers`` model over UTF-8 bytes) and a
+diffusers pipeline's own text encoders (``PipelineTextEncoder``, for real checkpoints).
 
 Real pipelines encode prompts with a large text model (Qwen2.5-VL for Qwen-Image); the embedded default
 keeps the same shape of data with no download: byte-level ids (so prompts of different lengths give
@@ -8,9 +9,12 @@ a fixed seed (identical on every rank), frozen.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 
-__all__ = ["DEFAULT_PROMPTS", "ByteTextEncoder"]
+__all__ = ["DEFAULT_PROMPTS", "ByteTextEncoder", "PipelineTextEncoder"]
 
 COLORS = ("red", "green", "blue", "yellow")
 OBJECTS = ("cat", "house", "bicycle", "mountain lake", "teapot", "lighthouse at dusk")
@@ -73,3 +77,82 @@ class ByteTextEncoder(torch.nn.Module):
         embeds = [hidden[i, : len(t)].float() for i, t in enumerate(ids)]
         masks = [torch.ones(len(t), dtype=torch.bool) for t in ids]
         return embeds, masks
+
+    def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
+        """``{prefix}prompt_embeds`` / ``{prefix}prompt_embeds_mask`` (ragged lists) for a trainer batch."""
+        embeds, masks = self.encode(prompts)
+        return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": masks}
+
+
+class PipelineTextEncoder:
+    """A diffusers pipeline's own text encoders (``text.pipeline``: a pipeline folder, e.g. SD3.5-Medium).
+
+    Loads the pipeline without its transformer and VAE and calls its ``encode_prompt``, so prompts are
+    encoded exactly as at inference: for ``StableDiffusion3Pipeline`` CLIP-L + CLIP-G (pooled, and
+    hidden states padded to T5's width) followed by T5 (``max_sequence_length`` tokens). SD3 attends to
+    every text token, padding included, so the masks are all True. Frozen, no gradients.
+    """
+
+    SUPPORTED = ("StableDiffusion3Pipeline",)
+
+    def __init__(
+        self,
+        path: str,
+        max_sequence_length: int = 256,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        import json
+        from pathlib import Path
+
+        index = Path(path) / "model_index.json"
+        if not index.exists():
+            raise FileNotFoundError(
+                f"text.pipeline={path!r} has no model_index.json; fix: point it at a diffusers pipeline folder "
+                "(save_pretrained / a downloaded stable-diffusion-3.5 repo), or leave it empty for the built-in "
+                "byte-level encoder"
+            )
+        name = json.loads(index.read_text()).get("_class_name")
+        if name not in self.SUPPORTED:
+            raise ValueError(
+                f"text.pipeline={path!r} is a {name}; supported: {', '.join(self.SUPPORTED)} "
+                "(its encode_prompt is called); fix: use such a pipeline or the built-in encoder (text.pipeline='')"
+            )
+        from diffusers import DiffusionPipeline
+
+        kwargs: dict[str, Any] = {}
+        if dtype != torch.float32:
+            kwargs["torch_dtype"] = dtype  # newer diffusers also take `dtype`; every supported one takes this
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, vae=None, **kwargs)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.device = torch.device(device)
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            module = getattr(self.pipe, name, None)
+            if module is not None:
+                module.to(self.device).requires_grad_(False).eval()
+        self.max_sequence_length = max_sequence_length
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.pipe.text_encoder_3.config.d_model)
+
+    @torch.no_grad()
+    def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
+        """``{prefix}prompt_embeds`` (list of ``[L, D]``), ``..._mask`` (all True), ``{prefix}pooled_prompt_embeds``
+        ``[B, P]``: what ``StableDiffusion3Pipeline.__call__`` passes its transformer."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        embeds, pooled = embeds.float().cpu(), pooled.float().cpu()
+        return {
+            f"{prefix}prompt_embeds": list(embeds),
+            f"{prefix}prompt_embeds_mask": [torch.ones(embeds.shape[1], dtype=torch.bool)] * len(prompts),
+            f"{prefix}pooled_prompt_embeds": pooled,
+        }

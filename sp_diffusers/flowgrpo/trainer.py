@@ -31,7 +31,7 @@ from .models import build_adapter
 from .rewards import Reward, build_reward
 from .rollout import Trajectory, evaluate_window_step, rollout
 from .schedule import flow_sigmas
-from .text import DEFAULT_PROMPTS, ByteTextEncoder
+from .text import DEFAULT_PROMPTS, ByteTextEncoder, PipelineTextEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,6 @@ class FlowGRPOTrainer:
         c = config
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = model if model is not None else self._build_model()
-        self.text_encoder = ByteTextEncoder(
-            hidden_size=c.text.hidden_size, num_layers=c.text.num_layers, seed=c.text.seed
-        )
         lora = None
         if c.lora.enabled:
             lora = LoraSettings(
@@ -116,7 +113,30 @@ class FlowGRPOTrainer:
             activation_checkpointing=c.parallel.activation_checkpointing,
             debug_checks=c.parallel.debug_checks,
         )
-        self.adapter = build_adapter(self.engine.model, c.model.image_size)
+        self.text_encoder: ByteTextEncoder | PipelineTextEncoder
+        if c.text.pipeline:
+            # on the training device, in the training precision: T5-XXL alone is 4.7B parameters
+            self.text_encoder = PipelineTextEncoder(
+                c.text.pipeline,
+                c.text.max_sequence_length,
+                device=self.engine.device,
+                dtype=torch.bfloat16 if c.parallel.mixed_precision == "bf16" else torch.float32,
+            )
+        else:
+            self.text_encoder = ByteTextEncoder(
+                hidden_size=c.text.hidden_size, num_layers=c.text.num_layers, seed=c.text.seed
+            )
+        self.adapter = build_adapter(
+            self.engine.model, c.model.image_size, pooled_from_encoder=bool(c.text.pipeline)
+        )
+        text_dim = getattr(self.engine.model.config, "joint_attention_dim", None)
+        if text_dim is not None and text_dim != self.text_encoder.hidden_size:
+            key = "text.pipeline" if c.text.pipeline else "text.hidden_size"
+            raise ValueError(
+                f"{key}: the text encoder gives {self.text_encoder.hidden_size}-wide embeddings but the model's "
+                f"joint_attention_dim is {text_dim}; fix: use the pipeline that matches the transformer, or set "
+                f"text.hidden_size={text_dim}"
+            )
         if self.adapter.tokens % self.engine.sp_size:
             raise ValueError(
                 f"model.image_size={c.model.image_size} gives {self.adapter.tokens} image tokens, not divisible by "
@@ -163,11 +183,9 @@ class FlowGRPOTrainer:
         gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, self.engine.dp_rank))
         picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
         prompts = [self.prompts[i] for i in picks for _ in range(g.group_size)]
-        embeds, masks = self.text_encoder.encode(prompts)
         batch: dict[str, Any] = {
             "prompts": prompts,
-            "prompt_embeds": embeds,
-            "prompt_embeds_mask": masks,
+            **self.text_encoder.encode_batch(prompts),
             "group_ids": torch.tensor(
                 [
                     self.engine.dp_rank * g.prompts_per_rank + i
@@ -181,8 +199,7 @@ class FlowGRPOTrainer:
             "shuffle_seed": int(torch.randint(2**62, (1,), generator=gen)),
         }
         if g.cfg_scale > 1.0:
-            neg, neg_mask = self.text_encoder.encode([""] * len(prompts))
-            batch["negative_prompt_embeds"], batch["negative_prompt_embeds_mask"] = neg, neg_mask
+            batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         return batch
 
     def _cond(self, batch: dict[str, Any], index: torch.Tensor | None = None) -> dict[str, Any]:
@@ -191,6 +208,8 @@ class FlowGRPOTrainer:
             "prompt_embeds_mask",
             "negative_prompt_embeds",
             "negative_prompt_embeds_mask",
+            "pooled_prompt_embeds",
+            "negative_pooled_prompt_embeds",
         )
         return {k: (batch[k] if index is None else batch[k][index]) for k in keys if k in batch}
 

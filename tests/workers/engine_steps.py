@@ -27,6 +27,14 @@ def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", rin
 
     c = TrainConfig()
     c.model.kind, c.model.image_size, c.model.overrides = kind, 8, {"num_layers": 2}
+    if kind == "sd3_pipeline":
+        # a real StableDiffusion3Pipeline folder: transformer from_pretrained, prompts through its CLIP-L,
+        # CLIP-G (pooled) and T5 encoders; 77 + 16 = 93 text tokens, padded to 94 at SP = 2 (one masked key)
+        from sp_diffusers.tiny import save_tiny_sd3_pipeline
+
+        folder = save_tiny_sd3_pipeline(tempfile.mkdtemp(), num_layers=2)
+        c.model.kind, c.model.pretrained = "sd3", str(folder / "transformer")
+        c.text.pipeline, c.text.max_sequence_length = str(folder), 16
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.lora.enabled = lora
@@ -77,9 +85,8 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
     n = G // engine.dp_size
     sl = slice(engine.dp_rank * n, (engine.dp_rank + 1) * n)
     prompts = data["prompts"][sl]
-    embeds, masks = trainer.text_encoder.encode(prompts)
     batch = engine.prepare_batch(
-        {"prompts": prompts, "prompt_embeds": embeds, "prompt_embeds_mask": masks, "shuffle_seed": 7}
+        {"prompts": prompts, **trainer.text_encoder.encode_batch(prompts), "shuffle_seed": 7}
     )
     traj = Trajectory(data["latents"][sl].to(engine.device), torch.zeros(n, W), 1, data["latents"][sl, -1])
     with engine.eval_mode():
