@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from unittest import mock
@@ -142,18 +143,22 @@ def _plot(rows: list[dict], path: str) -> None:
 
     seqs = sorted({r["S"] for r in rows})
     names = list(dict.fromkeys(r["variant"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     width = 0.8 / len(names)
+    panels = (
+        ("fwd+bwd ms (max over ranks)", lambda r: r["seconds"] * 1e3),
+        ("MiB sent per rank (fwd+bwd)", lambda r: (r["fwd_bytes"] + r["bwd_bytes"]) / 2**20),
+        ("peak MiB per rank (one layer fwd+bwd)", lambda r: r["peak_bytes"] / 2**20),
+        ("MiB kept fwd->bwd per layer (x L layers)", lambda r: r["kept_bytes"] / 2**20),
+    )
     for i, name in enumerate(names):
         sel = [next(r for r in rows if r["S"] == s and r["variant"] == name) for s in seqs]
         xs = [j + i * width for j in range(len(seqs))]
-        axes[0].bar(xs, [r["seconds"] * 1e3 for r in sel], width, label=name)
-        axes[1].bar(xs, [(r["fwd_bytes"] + r["bwd_bytes"]) / 2**20 for r in sel], width, label=name)
-        axes[2].bar(xs, [r["peak_bytes"] / 2**20 for r in sel], width, label=name)
-    titles = ("fwd+bwd ms (max over ranks)", "MiB sent per rank (fwd+bwd)", "peak MiB per rank")
-    for ax, title in zip(axes, titles, strict=True):
+        for ax, (_, value) in zip(axes, panels, strict=True):
+            ax.bar(xs, [value(r) for r in sel], width, label=name)
+    for ax, (title, _) in zip(axes, panels, strict=True):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqs))], [f"S={s}" for s in seqs])
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=7)
     fig.suptitle("Ulysses x Ring on 4 gloo ranks (fp32, 1 thread each)")
     fig.tight_layout()
@@ -169,7 +174,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--replot", default=None, help="only redraw --plot from this --json file")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            _plot(json.load(f)["rows"], args.plot or "usp.png")
+        return 0
     for s in args.seq:
         if s % 4:
             p.error(f"--seq {s}: must be divisible by the 4 ranks (e.g. {s - s % 4 + 4})")
