@@ -282,18 +282,9 @@ def ulysses_sdpa_attention(
             if is_causal:
                 # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at ring_rank * S/R
                 rows = torch.arange(q.shape[1], device=q.device) + ring_rank * q.shape[1]
-                attn_mask = torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None]
+                attn_mask = (torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None])[None, None]
                 is_causal = False
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=kv_heads != heads,
-        ).transpose(1, 2)
+        out = local_sdpa_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, kv_heads != heads)
     if ulysses > 1:
         (out,) = heads_to_seq([out], group)  # [B, S/(U R), H_padded, D]
     if padded_heads != heads:
