@@ -60,10 +60,12 @@ def test_output_and_every_gradient_match_one_process(version, world, case):
 USP_VERSIONS = ("0.38.0", "0.42.1")  # diffusers refuses ring x ulysses together on 0.36
 
 
-@pytest.mark.parametrize(("world", "ring"), [(2, 2), (4, 2)], ids=["ring2", "ring2_ulysses2"])
+@pytest.mark.parametrize(
+    ("world", "ring"), [(2, 2), (4, 2), (4, 4)], ids=["ring2", "ring2_ulysses2", "ring4"]
+)
 @pytest.mark.parametrize("version", USP_VERSIONS)
 def test_ulysses_x_ring_models_match_one_process(version, world, ring):
-    """Ulysses x Ring (USP) with ulysses_sdpa: pure ring on 2 ranks and ring 2 x ulysses 2 on 4 ranks; the
+    """Ulysses x Ring (USP) with ulysses_sdpa: pure ring on 2 and 4 ranks, ring 2 x ulysses 2 on 4 ranks; the
     SP degree is no longer capped by the head count (heads need only divide the Ulysses degree)."""
     results = run_distributed(
         "tests.workers.models:model_parity",
