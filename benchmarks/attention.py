@@ -60,7 +60,8 @@ def _variants(rank: int, world: int, S: int, heads: int, head_dim: int, batch: i
     # floor/single get SDPA's own [B, H, S, D] layout, contiguous
     floor = [t[:, :, rank * h_l : (rank + 1) * h_l].transpose(1, 2).contiguous() for t in (q, k, v, dout)]
     single = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
-    o_heads = torch.randn(batch, S, h_l, head_dim, generator=g)
+    # the attention output as SDPA leaves it for seq_to_heads' queries: [B, S, H/P, D] in [S, B, H/P, D] memory
+    o_heads = torch.randn(S, batch, h_l, head_dim, generator=g).transpose(0, 1)
     send_qkv, send_out = torch.randn(3 * local[0].numel()), torch.randn(o_heads.numel())
     recv_qkv, recv_out = torch.empty_like(send_qkv), torch.empty_like(send_out)
 

@@ -102,16 +102,21 @@ def _heads_to_seq_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
     for (b, s, dtype, device), idx in buckets.items():
         s_l = s // world
         widths = [tensors[i].shape[2] * tensors[i].shape[3] for i in idx]
-        send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
-        offset = 0
-        for i, w in zip(idx, widths, strict=True):
-            t = tensors[i]
-            h_l, d = t.shape[2], t.shape[3]
-            # [B, P, S_l, H_l, D] -> [P, S_l, B, H_l, D]
-            send[..., offset : offset + w].unflatten(-1, (h_l, d)).copy_(
-                t.unflatten(1, (world, s_l)).permute(1, 2, 0, 3, 4)
-            )
-            offset += w
+        if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
+            # SDPA writes its output in the query's layout, and the queries came out of seq_to_heads as
+            # [S, B, H_l, D] in memory: that already is the send layout [P, S_l, B, W], so no pack copy.
+            send = tensors[idx[0]].transpose(0, 1).reshape(world, s_l, b, widths[0])
+        else:
+            send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
+            offset = 0
+            for i, w in zip(idx, widths, strict=True):
+                t = tensors[i]
+                h_l, d = t.shape[2], t.shape[3]
+                # [B, P, S_l, H_l, D] -> [P, S_l, B, H_l, D]
+                send[..., offset : offset + w].unflatten(-1, (h_l, d)).copy_(
+                    t.unflatten(1, (world, s_l)).permute(1, 2, 0, 3, 4)
+                )
+                offset += w
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         offset = 0

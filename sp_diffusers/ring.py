@@ -163,7 +163,10 @@ class _RingAttention(torch.autograd.Function):
         ring = _Ring(group)
         kv = torch.stack([k, v])  # one buffer per hop: [2, B, H, S_kv/R, D]
         spare = torch.empty_like(kv)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # [B, H, S, D] shape in [S, B, H, D] memory, like SDPA's output for seq_to_heads' queries: the
+        # exchange back to sequence shards then sends it without a pack copy
+        b, h, _, d = q.shape
+        out = torch.zeros((q_len, b, h, d), dtype=torch.float32, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], _NEG_INF, dtype=torch.float32, device=q.device)
         for step in range(size):
             requests = ring.start(kv, spare) if step < size - 1 else []

@@ -50,6 +50,15 @@ def all_to_all_checks(rank: int, world: int) -> dict:
     back = heads_to_seq(fused, group)
     out["fused_round_trip"] = max(max_err(a, b) for a, b in zip(back, locals_, strict=True))
 
+    # heads_to_seq sends a tensor laid out [S, B, H, D] in memory (SDPA's output for seq_to_heads' queries)
+    # without packing it: same result as a contiguous [B, S, H, D] tensor that takes the packing path.
+    per_rank = _encode(B, S, H // world, D) + rank * 0.5
+    s_major = per_rank.transpose(0, 1).contiguous().transpose(0, 1)
+    assert s_major.transpose(0, 1).is_contiguous() and not s_major.is_contiguous()
+    out["zero_copy_send_equals_packed"] = max_err(
+        heads_to_seq([s_major], group)[0], heads_to_seq([per_rank], group)[0]
+    )
+
     # Backward of seq_to_heads is the inverse exchange: d/dx <y, g> with g encoding positions.
     src = local.clone().requires_grad_(True)
     (y,) = seq_to_heads([src], group)
