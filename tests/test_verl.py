@@ -208,6 +208,8 @@ def test_engine_config_errors_name_the_fix():
         and "fix: lr_scheduler_type=constant" in errors["cosine"]
     )
     assert "fsdp_size=2" in errors["fsdp_size"] and "fix: fsdp_size=-1" in errors["fsdp_size"]
+    ring = errors["ring3"]  # one process cannot hold a ring of 3
+    assert "actor_rollout_ref.model.ring_degree" in ring and "= 3" in ring and "fix:" in ring
 
 
 @needs_verl

@@ -280,6 +280,7 @@ def config_errors(rank: int, world: int) -> dict:
             FSDPOptimizerConfig(lr=1e-4, lr_scheduler_type="cosine"),
         ),
         "fsdp_size": (FSDPEngineConfig(strategy="fsdp2", fsdp_size=2), FSDPOptimizerConfig(lr=1e-4)),
+        "ring3": (FSDPEngineConfig(strategy="fsdp2"), FSDPOptimizerConfig(lr=1e-4)),
     }
     out = {}
     for name, (engine_config, optimizer_config) in cases.items():
@@ -287,7 +288,9 @@ def config_errors(rank: int, world: int) -> dict:
             EngineRegistry.new(
                 model_type=plugin.MODEL_TYPE,
                 backend=engine_config.strategy,
-                model_config=plugin.DiffusionModelConfig(tiny="qwenimage"),
+                model_config=plugin.DiffusionModelConfig(
+                    tiny="qwenimage", ring_degree=3 if name == "ring3" else 1
+                ),
                 engine_config=engine_config,
                 optimizer_config=optimizer_config,
                 checkpoint_config=CheckpointConfig(),
