@@ -90,3 +90,18 @@ def test_pipeline_errors_name_the_key(tmp_path, pipeline_dir):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
     with pytest.raises(ValueError, match=r"is a QwenImagePipeline; supported: StableDiffusion3Pipeline"):
         PipelineTextEncoder(str(tmp_path))
+
+
+def test_text_width_mismatch_names_the_key(tmp_path):
+    from sp_diffusers.flowgrpo.config import TrainConfig
+    from sp_diffusers.flowgrpo.trainer import FlowGRPOTrainer
+
+    c = TrainConfig()
+    c.model.kind, c.model.overrides = "sd3", {"num_layers": 1}
+    c.parallel.ulysses_sequence_parallel_size = 1
+    c.text.hidden_size = 16  # the tiny SD3's joint_attention_dim is 32
+    c.train.out_dir = str(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"text\.hidden_size: .* 16-wide .* joint_attention_dim is 32; fix: .*=32"
+    ):
+        FlowGRPOTrainer(c)
