@@ -128,8 +128,8 @@ class PipelineTextEncoder:
             self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, vae=None, **kwargs)
         self.pipe.set_progress_bar_config(disable=True)
         self.device = torch.device(device)
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            module = getattr(self.pipe, name, None)
+        for component in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            module = getattr(self.pipe, component, None)
             if module is not None:
                 module.to(self.device).requires_grad_(False).eval()
         self.max_sequence_length = max_sequence_length
