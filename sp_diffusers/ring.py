@@ -198,7 +198,6 @@ class _RingAttention(torch.autograd.Function):
         q_len, kv_len = q.shape[2], k.shape[2]
         causal_rows = torch.arange(q_len, device=q.device) + rank * q_len if ctx.is_causal else None
         ring = _Ring(group)
-        dout = dout.contiguous()
         kv, kv_spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
         # dK/dV accumulate in fp32 while they travel: R partial sums, low-precision inputs would lose bits
         dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
