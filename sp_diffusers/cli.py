@@ -66,7 +66,11 @@ def _train(args: argparse.Namespace) -> int:
     factory, engine_name = _engine_factory(args.engine, bool(plan.verl))
     trainer = FlowGRPOTrainer(config, engine_factory=factory)
     if trainer.rank == 0:
-        print(f"engine: {engine_name}, ulysses_sequence_parallel_size={trainer.engine.sp_size}", flush=True)
+        layout = trainer.engine.layout
+        print(
+            f"engine: {engine_name}, ulysses_sequence_parallel_size={layout.ulysses}, ring_degree={layout.ring}",
+            flush=True,
+        )
     history = trainer.run()
     if trainer.rank == 0 and history:
         first = sum(m["reward_mean"] for m in history[:5]) / len(history[:5])
