@@ -20,6 +20,7 @@ LAYOUTS = {
     "dp2_sp2": (4, 2, 1),
     "ring2_ulysses2": (4, 2, 2),
 }  # name: (world, ulysses, ring)
+EXTRA_LAYOUTS = {"dp2_ring2": (4, 1, 2)}  # a pure ring of 2 under data parallelism 2 (full fine-tuning only)
 
 
 @functools.cache
@@ -35,14 +36,14 @@ def _close(a, b):
 @pytest.mark.parametrize(
     ("layout", "lora", "kind"),
     [(layout, lora, "qwenimage") for layout in sorted(LAYOUTS) for lora in (False, True)]
-    + [("sp2", False, "sd3_pipeline")],
+    + [("sp2", False, "sd3_pipeline"), ("dp2_ring2", False, "qwenimage")],
     ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_flowgrpo_step_matches_one_process(layout, lora, kind):
     """SD3 runs through sp_diffusers' plan, from a real StableDiffusion3Pipeline folder whose own CLIP/T5
     encoders give the text and pooled inputs (text padded to the degree with a masked key);
-    ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2."""
-    world, sp, ring = LAYOUTS[layout]
+    ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2."""
+    world, sp, ring = {**LAYOUTS, **EXTRA_LAYOUTS}[layout]
     ref = _step(1, 1, lora, kind)[0]
     results = _step(world, sp, lora, kind, ring)
     # the loss each data-parallel group reports, averaged over dp, is the single-process loss
