@@ -73,10 +73,11 @@ def _train(args: argparse.Namespace) -> int:
         )
     history = trainer.run()
     if trainer.rank == 0 and history:
-        first = sum(m["reward_mean"] for m in history[:5]) / len(history[:5])
-        last = sum(m["reward_mean"] for m in history[-5:]) / len(history[-5:])
+        n = min(5, len(history))
+        first = sum(m["reward_mean"] for m in history[:n]) / n
+        last = sum(m["reward_mean"] for m in history[-n:]) / n
         print(
-            f"reward (mean of 5 iterations): first {first:+.4f} -> last {last:+.4f}; outputs in {config.train.out_dir}"
+            f"reward (mean of {n} iterations): first {first:+.4f} -> last {last:+.4f}; outputs in {config.train.out_dir}"
         )
     return 0
 

@@ -46,7 +46,7 @@ def test_readme_main_command_shortened(tmp_path):
         ]
     )
     _check_run(out, 4)
-    assert "reward (mean of 5 iterations)" in proc.stdout
+    assert "reward (mean of 4 iterations): first " in proc.stdout  # 4 iterations ran, not 5
     assert (out / "checkpoints" / "step-00000002" / "meta.json").exists()
 
 
