@@ -63,6 +63,19 @@ def config_accepts_mesh() -> bool:
     return "mesh" in {f.name for f in dataclasses.fields(ContextParallelConfig)}
 
 
+@cache
+def config_accepts_ulysses_and_ring() -> bool:
+    """Whether ``ContextParallelConfig`` accepts ulysses > 1 and ring > 1 together (0.36 refuses it in
+    its constructor; only the constructor is probed, nothing distributed runs)."""
+    from diffusers import ContextParallelConfig
+
+    try:
+        ContextParallelConfig(ring_degree=2, ulysses_degree=2)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_mesh(mesh: Any, ulysses_degree: int, ring_degree: int) -> None:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     missing = [n for n in ("ring", "ulysses") if n not in names]
@@ -106,6 +119,12 @@ def context_parallel_config(
             "Fix: call sp_diffusers.install() once per process before context_parallel_config(...)"
         )
 
+    if ulysses_degree > 1 and ring_degree > 1 and not config_accepts_ulysses_and_ring():
+        raise MeshError(
+            f"diffusers {diffusers_version()} refuses ulysses_degree={ulysses_degree} together with "
+            f"ring_degree={ring_degree} (its ContextParallelConfig has no unified Ulysses x Ring); fix: upgrade "
+            "diffusers to >= 0.37, or set one of the two degrees to 1 (a pure ring or pure Ulysses works here)"
+        )
     if dist.is_available() and dist.is_initialized():
         validate_degrees(dist.get_world_size(), ulysses_degree, ring_degree)
         if mesh is None and dist.get_world_size() != ulysses_degree * ring_degree:
