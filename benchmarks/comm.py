@@ -82,8 +82,7 @@ def counting(counter: _Counter):
         return originals[(dist, "all_gather_single")](out, inp, *args, **kwargs)
 
     def reduce(tensor, *args, **kwargs):
-        group = kwargs.get("group", args[1] if len(args) > 1 else None)
-        counter.add(tensor, "all_reduce", group)
+        counter.add(tensor, "all_reduce", _group(args, kwargs, 1))
         return originals[(dist, "all_reduce")](tensor, *args, **kwargs)
 
     def funcol_a2a(x, *args, **kwargs):

@@ -119,18 +119,19 @@ def context_parallel_config(
             "Fix: call sp_diffusers.install() once per process before context_parallel_config(...)"
         )
 
-    if ulysses_degree > 1 and ring_degree > 1 and not config_accepts_ulysses_and_ring():
-        raise MeshError(
-            f"diffusers {diffusers_version()} refuses ulysses_degree={ulysses_degree} together with "
-            f"ring_degree={ring_degree} (its ContextParallelConfig has no unified Ulysses x Ring); fix: upgrade "
-            "diffusers to >= 0.37, or set one of the two degrees to 1 (a pure ring or pure Ulysses works here)"
-        )
     if dist.is_available() and dist.is_initialized():
         validate_degrees(dist.get_world_size(), ulysses_degree, ring_degree)
         if mesh is None and dist.get_world_size() != ulysses_degree * ring_degree:
             mesh = build_device_mesh(ulysses_degree, ring_degree)
     else:
         validate_degrees(ulysses_degree * ring_degree, ulysses_degree, ring_degree)
+    # after validate_degrees: the degrees are positive ints here
+    if ulysses_degree > 1 and ring_degree > 1 and not config_accepts_ulysses_and_ring():
+        raise MeshError(
+            f"diffusers {diffusers_version()} refuses ulysses_degree={ulysses_degree} together with "
+            f"ring_degree={ring_degree} (its ContextParallelConfig has no unified Ulysses x Ring); fix: upgrade "
+            "diffusers to >= 0.37, or set one of the two degrees to 1 (a pure ring or pure Ulysses works here)"
+        )
     if mesh is not None:
         _check_mesh(mesh, ulysses_degree, ring_degree)
 

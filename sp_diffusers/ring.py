@@ -237,6 +237,11 @@ def ring_attention(
     (a key dim of 1 broadcasts); ``is_causal`` aligns global query ``i`` with global key ``i`` (segments in
     ring-rank order). Gradients flow to query, key and value, not to the mask. No dropout.
     """
+    if key.shape != value.shape:
+        raise ValueError(
+            f"ring_attention needs key and value of one shape (they travel as one buffer), got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if key.shape[1] != query.shape[1]:
         raise ValueError(
             f"ring_attention needs as many K/V heads as query heads (got {key.shape[1]} vs {query.shape[1]}); "
