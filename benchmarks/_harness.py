@@ -113,6 +113,13 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
     return memory_profile(fn)[0]
 
 
+def max_over_ranks(x: float) -> float:
+    """The largest ``x`` over all ranks (timings and memory are reported for the slowest/largest rank)."""
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import interleaved_times, peak_bytes, spawn, write_json
+from benchmarks._harness import interleaved_times, max_over_ranks, peak_bytes, spawn, write_json
 
 TARGETS = {"ours/native": 0.75, "ours/floor": 1.08, "exchange/bare": 1.3}
 
@@ -36,12 +36,6 @@ def _parallel_config(world: int):
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=world))
     config.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
     return config
-
-
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _variants(rank: int, world: int, S: int, heads: int, head_dim: int, batch: int, config) -> dict:
@@ -105,9 +99,9 @@ def bench_rank(
         variants = _variants(rank, world, S, heads, head_dim, batch, config)
         # Round-robin: each repetition runs every variant once, so machine noise hits all of them alike.
         samples = interleaved_times(variants, repeats)
-        row = {"S": S, "time_s": {n: _max_over_ranks(t) for n, t in samples.items()}, "peak_mib": {}}
+        row = {"S": S, "time_s": {n: max_over_ranks(t) for n, t in samples.items()}, "peak_mib": {}}
         for name in ("ours", "native", "floor", "single"):
-            row["peak_mib"][name] = _max_over_ranks(peak_bytes(variants[name]) / 2**20)
+            row["peak_mib"][name] = max_over_ranks(peak_bytes(variants[name]) / 2**20)
         t = row["time_s"]
         row["ratios"] = {
             "ours/native": t["ours"] / t["native"],

@@ -25,11 +25,10 @@ import sys
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import interleaved_times, memory_profile, spawn, write_json
+from benchmarks._harness import interleaved_times, max_over_ranks, memory_profile, spawn, write_json
 from benchmarks.comm import _Counter, counting
 
 LAYOUTS = ((4, 1), (2, 2), (1, 4))  # (ulysses, ring)
@@ -41,12 +40,6 @@ def _allgather_ring(query, key, value, group, attn_mask=None, is_causal=False, s
 
     k, v = gather_seq([key.transpose(1, 2), value.transpose(1, 2)], group)
     return F.scaled_dot_product_attention(query, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-
-
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def bench_rank(rank: int, world: int, seqs: list[int], heads: int, head_dim: int, repeats: int) -> list[dict]:
@@ -119,13 +112,13 @@ def _bench_seq(
             {
                 "S": S,
                 "variant": name,
-                "seconds": _max_over_ranks(times[name]),
-                "fwd_bytes": int(_max_over_ranks(fwd.bytes)),
-                "bwd_bytes": int(_max_over_ranks(bwd.bytes)),
+                "seconds": max_over_ranks(times[name]),
+                "fwd_bytes": int(max_over_ranks(fwd.bytes)),
+                "bwd_bytes": int(max_over_ranks(bwd.bytes)),
                 "fwd_calls": fwd.calls,
                 "bwd_calls": bwd.calls,
-                "peak_bytes": int(_max_over_ranks(peak)),
-                "kept_bytes": int(_max_over_ranks(kept)),
+                "peak_bytes": int(max_over_ranks(peak)),
+                "kept_bytes": int(max_over_ranks(kept)),
             }
         )
     return rows

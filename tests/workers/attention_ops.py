@@ -173,6 +173,14 @@ def _build_mask(kind: str | None, c: dict, seed: int) -> torch.Tensor | None:
     raise ValueError(kind)
 
 
+def _errors(out, sp_in, ref, ref_in, cp_rank: int, cp_world: int) -> dict[str, float]:
+    """Max |sharded - reference| of the output and of dq, dk, dv on this rank's slice."""
+    errs = {"out": max_err(out, shard(ref, 1, cp_rank, cp_world))}
+    for name, got, want in zip(("dq", "dk", "dv"), sp_in, ref_in, strict=True):
+        errs[name] = max_err(got.grad, shard(want.grad, 1, cp_rank, cp_world))
+    return errs
+
+
 def _compare_cases(config, cp_rank: int, cp_world: int, kv_heads_multiple: int = 1) -> dict:
     """Every case: the sharded op on this rank's slice vs full-sequence SDPA; max errors per case."""
     from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
@@ -196,12 +204,7 @@ def _compare_cases(config, cp_rank: int, cp_world: int, kv_heads_multiple: int =
             sp_mask = shard(sp_mask, dim, cp_rank, cp_world)
         out = ulysses_sdpa_attention(*sp_in, attn_mask=sp_mask, _parallel_config=config, **kw)
         out.backward(shard(dout, 1, cp_rank, cp_world))
-        results[c["name"]] = {
-            "out": max_err(out, shard(ref, 1, cp_rank, cp_world)),
-            "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, cp_rank, cp_world)),
-            "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, cp_rank, cp_world)),
-            "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, cp_rank, cp_world)),
-        }
+        results[c["name"]] = _errors(out, sp_in, ref, ref_in, cp_rank, cp_world)
     return results
 
 
@@ -316,12 +319,7 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
     sp_in = [shard(t, 1, cp_rank, cp_world).bfloat16().requires_grad_(True) for t in (q, k, v)]
     out = attention.ulysses_sdpa_attention(*sp_in, _parallel_config=config)
     out.backward(shard(dout, 1, cp_rank, cp_world).bfloat16())
-    results["bf16"] = {
-        "out": max_err(out, shard(ref, 1, cp_rank, cp_world)),
-        "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, cp_rank, cp_world)),
-        "dk": max_err(sp_in[1].grad, shard(ref_in[1].grad, 1, cp_rank, cp_world)),
-        "dv": max_err(sp_in[2].grad, shard(ref_in[2].grad, 1, cp_rank, cp_world)),
-    }
+    results["bf16"] = _errors(out, sp_in, ref, ref_in, cp_rank, cp_world)
 
     # dropout > 0 goes through the all-gather and must change the result; p = 0 must reproduce it
     q_l, k_l, v_l = (shard(t, 1, cp_rank, cp_world) for t in (q, k, v))
