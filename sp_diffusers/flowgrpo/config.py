@@ -63,6 +63,7 @@ class LoraConfig:
 @dataclass
 class OptimConfig:
     lr: float = 3e-4
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0

@@ -103,6 +103,7 @@ class FlowGRPOTrainer:
             ring_degree=c.parallel.ring_degree,
             optim=OptimSettings(
                 lr=c.optim.lr,
+                eps=c.optim.eps,
                 weight_decay=c.optim.weight_decay,
                 max_grad_norm=c.optim.max_grad_norm,
                 warmup_steps=c.optim.warmup_steps,

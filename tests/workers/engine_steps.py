@@ -9,6 +9,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from tests._parity import PARITY_EPS, PARITY_LR
+
 G = 8  # global samples (2 prompts x group 4 per dp rank at dp = 2)
 W = 2
 
@@ -39,7 +41,7 @@ def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", rin
     c.parallel.ring_degree = ring
     c.lora.enabled = lora
     c.lora.init = False  # random A and B, so both get non-zero gradients at the first step
-    c.optim.lr = 1e-3
+    c.optim.lr, c.optim.eps = PARITY_LR, PARITY_EPS  # a well-conditioned first AdamW step (tests/_parity.py)
     c.optim.max_grad_norm = 1e9  # the step itself is compared; clipping is tested elsewhere
     c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 6, W, [1, 2]
     c.flowgrpo.micro_batch_size = 2
@@ -127,12 +129,14 @@ def flowgrpo_step(rank: int, world: int, sp: int, lora: bool, kind: str = "qweni
             for n, p in engine.model.named_parameters()
             if p.requires_grad
         }
+        captured["before"] = {n: _full(p) for n, p in engine.model.named_parameters() if p.requires_grad}
         return original_step()
 
     engine.optimizer_step = capture_then_step
     metrics = trainer.update(batch, traj, adv, old)
     params = {n: _full(p) for n, p in engine.model.named_parameters() if p.requires_grad}
     return {
+        "step_moved": max((params[n] - captured["before"][n]).abs().max().item() for n in params),
         "dp_rank": engine.dp_rank,
         "sp_rank": engine.sp_rank,
         "loss": metrics["loss"],

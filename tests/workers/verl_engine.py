@@ -14,10 +14,11 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from tests._parity import PARITY_EPS, PARITY_LR
+
 G = 8  # global samples: 4 per dp rank at dp = 2, cut into micro-batches of 2
 MICRO = 2
 TEXT_LENGTHS = (5, 8, 3, 7, 6, 4, 9, 5)  # ragged, some odd: the engine pads them to the SP degree
-LR = 1e-3
 
 
 def _plugin():
@@ -34,7 +35,7 @@ def _plugin():
     return plugin
 
 
-def _engine(sp: int, lora: bool = False, ring: int = 1, eps: float | None = None):
+def _engine(sp: int, lora: bool = False, ring: int = 1):
     plugin = _plugin()
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
@@ -54,9 +55,9 @@ def _engine(sp: int, lora: bool = False, ring: int = 1, eps: float | None = None
             ring_degree=ring,
         ),
         engine_config=engine_config,
-        # no clipping and no weight decay: the step itself is compared
+        # no clipping and no weight decay: the step itself is compared, well-conditioned (tests/_parity.py)
         optimizer_config=FSDPOptimizerConfig(
-            lr=LR, clip_grad=1e9, weight_decay=0.0, override_optimizer_config={"eps": eps} if eps else None
+            lr=PARITY_LR, clip_grad=1e9, weight_decay=0.0, override_optimizer_config={"eps": PARITY_EPS}
         ),
         checkpoint_config=CheckpointConfig(),
     )
@@ -135,10 +136,23 @@ def _layout(engine) -> dict:
 
 def _step(engine, data: dict) -> dict:
     td = _local_tensordict(engine, data)
-    with engine.train_mode():
-        out = engine.train_batch(td, mse_loss)
+    grads: dict = {}
+    fsdp = engine.fsdp
+    step = fsdp.optimizer_step
+
+    def capture_then_step(*args, **kwargs):
+        grads.update({n: _full(p.grad) for n, p in fsdp.model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    fsdp.optimizer_step = capture_then_step
+    try:
+        with engine.train_mode():
+            out = engine.train_batch(td, mse_loss)
+    finally:
+        del fsdp.optimizer_step
     lr = engine.lr_scheduler_step()
     return {
+        "grads": grads,
         "losses": out["loss"],
         "mse": out["metrics"]["mse"],
         "grad_norm": out["metrics"].get("grad_norm"),
@@ -147,14 +161,14 @@ def _step(engine, data: dict) -> dict:
     }
 
 
-def train_step(rank: int, world: int, sp: int, extras: bool, ring: int = 1, eps: float | None = None) -> dict:
+def train_step(rank: int, world: int, sp: int, extras: bool, ring: int = 1) -> dict:
     """One ``train_batch`` (full fine-tuning; with ``extras`` also LoRA, inference, both loss forms,
-    checkpoint save/resume and the rollout weight export) on this layout; ``eps``: AdamW's epsilon."""
-    engine = _engine(sp, ring=ring, eps=eps)
+    checkpoint save/resume and the rollout weight export) on this layout."""
+    engine = _engine(sp, ring=ring)
     data = _global_data(engine.fsdp.model)
     result = {"layout": _layout(engine), "full": _step(engine, data)}
     if rank != 0:
-        result["full"]["params"] = None
+        result["full"]["params"] = result["full"]["grads"] = None
     if not extras:
         return result
 
@@ -188,7 +202,7 @@ def train_step(rank: int, world: int, sp: int, extras: bool, ring: int = 1, eps:
     lora_engine = _engine(sp, lora=True)
     result["lora"] = _step(lora_engine, data)
     if rank != 0:
-        result["lora"]["params"] = None
+        result["lora"]["params"] = result["lora"]["grads"] = None
     result["export"] = _export(lora_engine)
 
     # verl's reference policy: the LoRA engine with adapters off computes the base model (a fresh engine)
