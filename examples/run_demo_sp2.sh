@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's main command (until the trainer lands): tiny Qwen-Image built from the real diffusers class,
-# forward + backward with `ulysses_sdpa` on 2 CPU ranks (torchrun, gloo), checked against one process.
+# A one-shot parity demo of the backend: tiny Qwen-Image built from the real diffusers class, forward +
+# backward with `ulysses_sdpa` on 2 CPU ranks (torchrun, gloo), checked against one process.
 # Extra arguments go to `sp-diffusers demo` (e.g. --model wan --backend native).
 set -euo pipefail
 cd "$(dirname "$0")/.."

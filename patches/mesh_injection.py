@@ -18,6 +18,10 @@ import torch.distributed.device_mesh as device_mesh_module
 
 from ._base import AttributeSwaps, Probe, logger
 
+# The attribute that carries a shared mesh on a ContextParallelConfig that has no `mesh` field; set by
+# sp_diffusers.context_parallel_config, read here inside enable_parallelism.
+INJECTED_MESH_ATTR = "_sp_diffusers_mesh"
+
 NAME = "mesh_injection"
 AFFECTED = "0.36-0.37"
 UPSTREAM = "fixed upstream by ContextParallelConfig(mesh=...) in 0.38.0"
@@ -48,8 +52,6 @@ def apply() -> None:
         return
     from diffusers import ContextParallelConfig
     from diffusers.models.modeling_utils import ModelMixin
-
-    from sp_diffusers.compat import INJECTED_MESH_ATTR
 
     original = ModelMixin.enable_parallelism
 

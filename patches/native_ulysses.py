@@ -65,6 +65,7 @@ def apply() -> None:
     if _swaps.active:
         return
     from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.cp_groups import cp_degrees
 
     mod = _dispatch()
     registry = mod._AttentionBackendRegistry
@@ -83,8 +84,8 @@ def apply() -> None:
         return_lse=False,
         _parallel_config=None,
     ):
-        cp = getattr(_parallel_config, "context_parallel_config", None)
-        if cp is not None and cp.ring_degree == 1 and cp.ulysses_degree > 1 and not return_lse:
+        ulysses, ring = cp_degrees(_parallel_config)
+        if ring == 1 and ulysses > 1 and not return_lse:
             return ulysses_sdpa_attention(
                 query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, False, _parallel_config
             )

@@ -55,6 +55,8 @@ def reorder_joint_mask(mask: torch.Tensor, text_local: int, image_local: int, wo
 def apply() -> None:
     if _swaps.active:
         return
+    from sp_diffusers.cp_groups import cp_world
+
     cls = _module().QwenDoubleStreamAttnProcessor2_0
     original = cls.__call__
     signature = inspect.signature(original)
@@ -62,9 +64,8 @@ def apply() -> None:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kwargs):
         bound = signature.bind(self, attn, hidden_states, encoder_hidden_states, *args, **kwargs)
         mask = bound.arguments.get("attention_mask")
-        cp = getattr(getattr(self, "_parallel_config", None), "context_parallel_config", None)
-        if mask is not None and cp is not None and encoder_hidden_states is not None:
-            world = cp.ulysses_degree * cp.ring_degree
+        world = cp_world(getattr(self, "_parallel_config", None))
+        if mask is not None and encoder_hidden_states is not None:
             text_local, image_local = encoder_hidden_states.shape[1], hidden_states.shape[1]
             if world > 1 and mask.shape[-1] == world * (text_local + image_local):
                 bound.arguments["attention_mask"] = reorder_joint_mask(mask, text_local, image_local, world)

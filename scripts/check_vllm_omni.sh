@@ -8,7 +8,7 @@
 #      kernel -> post_attention) on the same Q/K/V shards, and both equal SDPA on the unsharded tensors:
 #      plain, key-padding mask, GQA (fp32, max |diff| <= 1e-6).
 #
-# The environment follows the --no-deps recipe of shared/reference/integrations.md: torch 2.13.0 (CPU), then
+# The environment follows the --no-deps recipe of docs/integrations.md: torch 2.13.0 (CPU), then
 # vllm + vllm-omni without their dependencies (the PyPI vllm wheel is a CUDA build and pins another torch),
 # then the light runtime dependencies their import needs, pinned to vllm's/vllm-omni's ranges. No triton,
 # torchvision, torchcodec or flashinfer. Idempotent (a stamp file skips the install the second time).

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from .registry import BACKEND_NAME
 
-BACKEND_NAME = "ulysses_sdpa"
+__version__ = "0.1.0"
 
 __all__ = [
     "BACKEND_NAME",
+    "EngineSettings",
     "FSDPEngine",
     "InstallReport",
     "LoraSettings",
@@ -35,9 +36,10 @@ _LAZY = {
     "uninstall": ("installer", "uninstall"),
     "is_installed": ("installer", "is_installed"),
     "InstallReport": ("installer", "InstallReport"),
-    "context_parallel_config": ("compat", "context_parallel_config"),
+    "context_parallel_config": ("cp_config", "context_parallel_config"),
     "build_device_mesh": ("mesh", "build_device_mesh"),
     "FSDPEngine": ("engine", "FSDPEngine"),
+    "EngineSettings": ("engine", "EngineSettings"),
     "LoraSettings": ("engine", "LoraSettings"),
     "OptimSettings": ("engine", "OptimSettings"),
     "pad_text_batch": ("padding", "pad_text_batch"),

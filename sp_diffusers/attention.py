@@ -21,13 +21,14 @@ exact); GQA keeps K/V compact when H_kv divides P. Glossary of dimension letters
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import all_gather_along, gather_ints, gather_seq, heads_to_seq, seq_to_heads
+from .cp_groups import cp_groups
 from .ring import ring_attention
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,12 +39,6 @@ __all__ = ["UlyssesAttentionError", "local_sdpa_attention", "ulysses_sdpa_attent
 
 class UlyssesAttentionError(ValueError):
     """Bad input to the Ulysses backend; the message names the parameter, its value and the fix."""
-
-
-def _context_parallel_config(parallel_config: Any):
-    if parallel_config is None:
-        return None
-    return getattr(parallel_config, "context_parallel_config", None)
 
 
 def _key_padding_to_4d(mask: torch.Tensor, batch: int, kv_lens: tuple[int, ...]) -> torch.Tensor:
@@ -213,23 +208,20 @@ def ulysses_sdpa_attention(
             "return_lse=True is not supported by ulysses_sdpa: torch's SDPA does not return the log-sum-exp. "
             "Fix: call it with return_lse=False"
         )
-    cp = _context_parallel_config(_parallel_config)
-    if cp is None or (cp.ulysses_degree == 1 and cp.ring_degree == 1):
+    groups = cp_groups(_parallel_config)
+    if groups is None:
         return local_sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and is_causal:
         raise UlyssesAttentionError(
             "pass either attn_mask or is_causal=True, not both (SDPA refuses the pair)"
         )
 
-    ulysses, ring = cp.ulysses_degree, cp.ring_degree
-    group = cp._ulysses_mesh.get_group()
-    rank = dist.get_rank(group)
-    ring_group = cp._ring_mesh.get_group() if ring > 1 else None
-    ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
-    cp_group = cp._flattened_mesh.get_group() if ring > 1 else group
+    ulysses, ring = groups.ulysses, groups.ring
+    group, rank = groups.ulysses_group, groups.ulysses_rank
+    ring_group, ring_rank, cp_group = groups.ring_group, groups.ring_rank, groups.cp_group
     _validate_qkv(query, key, value, ulysses)
 
-    if getattr(cp, "ulysses_anything", False):
+    if groups.anything:
         _check_even_lengths(query, key, group)
 
     batch, s_q_local, heads, _ = query.shape

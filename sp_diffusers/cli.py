@@ -48,7 +48,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from .flowgrpo.config import load_config
     from .flowgrpo.trainer import FlowGRPOTrainer
-    from .integrations.verl_config import translate_overrides
+    from .integrations.verl_overrides import translate_overrides
 
     plan = translate_overrides(list(args.overrides or []))  # verl-style hydra overrides (and our keys)
     overrides = plan.overrides + list(args.set or [])

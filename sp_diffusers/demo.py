@@ -19,6 +19,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .launch import init_distributed
+
 DEMO_ATOL = 1e-5
 DEMO_RTOL = 1e-4
 
@@ -31,19 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=32, help="latent height = width (before patching)")
     parser.add_argument("--text-len", type=int, default=16, help="padded text length (ragged masks inside)")
     parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward repetitions")
-
-
-def _init_distributed() -> None:
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        raise SystemExit(
-            "the demo runs under torchrun, e.g.: torchrun --nproc_per_node 2 -m sp_diffusers.cli demo"
-        )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
 
 
 def _forward_backward(model, inputs, weight) -> tuple[torch.Tensor, float]:
@@ -63,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import sp_diffusers
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
-    _init_distributed()
+    init_distributed(required_by="demo")
     dlogging.set_verbosity(logging.ERROR)
     # diffusers' own gather calls a torch API that torch 2.13 deprecates; nothing for a demo user to act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\..*")

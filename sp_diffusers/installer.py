@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from .compat import check_supported, diffusers_version
+from .compat import check_supported
 from .registry import BACKEND_NAME, register_backend, unregister_backend
 
 __all__ = ["InstallReport", "PatchStatus", "install", "is_installed", "uninstall"]
@@ -105,7 +105,3 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     return _report is not None
-
-
-def installed_version() -> str:
-    return str(diffusers_version())

@@ -1,10 +1,13 @@
-"""One DeviceMesh ``(dp, ring, ulysses)`` for data and sequence parallelism.
+"""The parallel degrees, validated once, and one DeviceMesh ``(dp, ring, ulysses)`` built from them.
 
 diffusers looks its context-parallel groups up by the dim names ``ring`` and ``ulysses``; FSDP2 and
 the data loader use ``dp`` (and the whole mesh for sharding). dp = world / (ring * ulysses).
+:class:`ParallelDims` is the only place degrees are checked: every caller builds one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,7 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIM_NAMES = ("dp", "ring", "ulysses")
 
-__all__ = ["MESH_DIM_NAMES", "MeshError", "build_device_mesh", "default_device_type", "validate_degrees"]
+__all__ = [
+    "MESH_DIM_NAMES",
+    "MeshError",
+    "ParallelDims",
+    "build_device_mesh",
+    "default_device_type",
+]
 
 
 class MeshError(ValueError):
@@ -23,20 +32,71 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_degrees(world_size: int, ulysses_degree: int, ring_degree: int = 1) -> int:
-    """Check the degrees against the world size; return the data-parallel degree."""
-    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise MeshError(f"{name} must be a positive int, got {value!r}")
-    sp = ulysses_degree * ring_degree
-    if world_size % sp:
-        valid = ", ".join(str(d) for d in _divisors(world_size))
-        raise MeshError(
-            f"ulysses_degree * ring_degree = {ulysses_degree} * {ring_degree} = {sp} does not divide the "
-            f"world size {world_size}; fix: pick a sequence-parallel degree among {valid} "
-            f"(or launch a multiple of {sp} processes)"
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sequence-parallel degrees over a world of ``world`` ranks; raises :class:`MeshError` when they cannot
+    work (the message names the degree, its value and the valid choices)."""
+
+    world: int
+    ulysses: int = 1
+    ring: int = 1
+
+    def __post_init__(self) -> None:
+        self.check_degrees(self.ulysses, self.ring)
+        if self.world % self.sp:
+            valid = ", ".join(str(d) for d in _divisors(self.world))
+            raise MeshError(
+                f"ulysses_degree * ring_degree = {self.ulysses} * {self.ring} = {self.sp} does not divide the "
+                f"world size {self.world}; fix: pick a sequence-parallel degree among {valid} "
+                f"(or launch a multiple of {self.sp} processes)"
+            )
+
+    @staticmethod
+    def check_degrees(ulysses: object, ring: object) -> None:
+        """Each degree must be a positive int."""
+        for name, value in (("ulysses_degree", ulysses), ("ring_degree", ring)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MeshError(f"{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def of_process_group(cls, ulysses: int = 1, ring: int = 1) -> ParallelDims:
+        """The degrees over the default process group (a world of one when it is not initialised)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        return cls(dist.get_world_size() if distributed else 1, ulysses, ring)
+
+    @property
+    def sp(self) -> int:
+        """Ranks that share one sequence: ulysses x ring."""
+        return self.ulysses * self.ring
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+    def build_mesh(self, device_type: str | None = None) -> DeviceMesh:
+        """A ``(dp, ring, ulysses)`` mesh over the default process group.
+
+        Ulysses ranks are adjacent (``ulysses`` is the fastest-varying dim), so an SP group stays inside a node
+        when the degree divides the GPUs per node. Every rank must call this (it creates sub-groups).
+        """
+        _require_process_group()
+        if dist.get_world_size() != self.world:
+            raise MeshError(
+                f"ParallelDims has world={self.world} but the process group has {dist.get_world_size()} ranks"
+            )
+        return init_device_mesh(
+            device_type or default_device_type(),
+            (self.dp, self.ring, self.ulysses),
+            mesh_dim_names=MESH_DIM_NAMES,
         )
-    return world_size // sp
+
+
+def _require_process_group() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError(
+            "torch.distributed is not initialised; fix: launch with torchrun and call "
+            "torch.distributed.init_process_group(backend='gloo' or 'nccl') first"
+        )
 
 
 def default_device_type() -> str:
@@ -47,20 +107,6 @@ def default_device_type() -> str:
 def build_device_mesh(
     ulysses_degree: int, ring_degree: int = 1, device_type: str | None = None
 ) -> DeviceMesh:
-    """A ``(dp, ring, ulysses)`` mesh over the default process group.
-
-    Ulysses ranks are adjacent (``ulysses`` is the fastest-varying dim), so an SP group stays inside a node
-    when the degree divides the GPUs per node. Every rank must call this (it creates sub-groups).
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        raise MeshError(
-            "torch.distributed is not initialised; fix: launch with torchrun and call "
-            "torch.distributed.init_process_group(backend='gloo' or 'nccl') first"
-        )
-    world = dist.get_world_size()
-    dp = validate_degrees(world, ulysses_degree, ring_degree)
-    return init_device_mesh(
-        device_type or default_device_type(),
-        (dp, ring_degree, ulysses_degree),
-        mesh_dim_names=MESH_DIM_NAMES,
-    )
+    """A ``(dp, ring, ulysses)`` mesh over the default process group (see :meth:`ParallelDims.build_mesh`)."""
+    _require_process_group()
+    return ParallelDims.of_process_group(ulysses_degree, ring_degree).build_mesh(device_type)

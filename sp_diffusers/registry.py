@@ -24,17 +24,6 @@ def _dispatch_module():
     return attention_dispatch
 
 
-def backend_member() -> Any | None:
-    """The enum member for ``ulysses_sdpa``, or None when it is not registered."""
-    enum_cls = _dispatch_module().AttentionBackendName
-    return enum_cls._value2member_map_.get(BACKEND_NAME)
-
-
-def is_registered() -> bool:
-    member = backend_member()
-    return member is not None and member in _dispatch_module()._AttentionBackendRegistry._backends
-
-
 def register_backend() -> Any:
     """Register ``ulysses_sdpa`` with diffusers (idempotent); returns the enum member."""
     from .attention import ulysses_sdpa_attention

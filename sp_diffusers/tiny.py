@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from .compat import diffusers_version
+from .model_kinds import KINDS, model_class
 
-TINY_MODELS = ("qwenimage", "flux", "wan", "sd3", "hunyuanvideo", "cogvideox")
+TINY_MODELS = tuple(KINDS)
 
 __all__ = ["TINY_MODELS", "save_tiny_sd3_pipeline", "tiny_inputs", "tiny_model", "tiny_model_config"]
 
@@ -119,39 +120,11 @@ def tiny_model_config(kind: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def _model_class(kind: str):
-    if kind == "qwenimage":
-        from diffusers import QwenImageTransformer2DModel
-
-        return QwenImageTransformer2DModel
-    if kind == "flux":
-        from diffusers import FluxTransformer2DModel
-
-        return FluxTransformer2DModel
-    if kind == "wan":
-        from diffusers import WanTransformer3DModel
-
-        return WanTransformer3DModel
-    if kind == "sd3":
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel
-    if kind == "hunyuanvideo":
-        from diffusers import HunyuanVideoTransformer3DModel
-
-        return HunyuanVideoTransformer3DModel
-    if kind == "cogvideox":
-        from diffusers import CogVideoXTransformer3DModel
-
-        return CogVideoXTransformer3DModel
-    raise ValueError(f"kind={kind!r} is not a tiny model; choose one of {TINY_MODELS}")
-
-
 def tiny_model(
     kind: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> torch.nn.Module:
     """A randomly initialised tiny ``kind`` transformer (identical on every rank for the same seed)."""
-    cls = _model_class(kind)
+    cls = model_class(kind)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(**tiny_model_config(kind, **overrides))

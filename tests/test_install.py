@@ -162,5 +162,5 @@ def test_user_registered_plan_is_attached_and_detached():
         sp_diffusers.uninstall()
         assert SanaTransformer2DModel._cp_plan is None
     finally:
-        plans._PLANS.pop("SanaTransformer2DModel", None)
+        plans._registry._PLANS.pop("SanaTransformer2DModel", None)
         sp_diffusers.uninstall()

@@ -13,7 +13,7 @@ from ._matrix import MATRIX_VERSIONS, minor, sys_path_for
 
 pytestmark = pytest.mark.matrix
 
-# ../shared/reference/diffusers-cp-matrix.md, "Per-version shims", on a CPU-only host.
+# docs/compatibility.md, "Patches, and where install() applies them", on a CPU-only host.
 AFFECTED = {
     "cpu_device_count": lambda m: m >= (0, 42),
     "root_hook_return_dict": lambda m: True,

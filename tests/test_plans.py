@@ -130,11 +130,12 @@ def test_cogvideox_padded_text_with_key_mask_equals_unpadded():
 
 
 def test_joint_masks_are_in_all_to_all_key_order():
-    from sp_diffusers.plans import HunyuanVideoJointAttnProcessor, _text_key_mask, _to_all_to_all_order
+    from sp_diffusers.plans import HunyuanVideoJointAttnProcessor
+    from sp_diffusers.plans._joint import text_key_mask, to_all_to_all_order
 
     # 2 ranks, 3 video + 2 text tokens each: global [v0 v1 v2 v3 v4 v5 t0 t1 t2 t3]
     keys = torch.arange(10)
-    assert _to_all_to_all_order(keys, 0, 3, 2, 2).tolist() == [0, 1, 2, 6, 7, 3, 4, 5, 8, 9]
+    assert to_all_to_all_order(keys, 0, 3, 2, 2).tolist() == [0, 1, 2, 6, 7, 3, 4, 5, 8, 9]
     square = torch.arange(100).reshape(1, 1, 10, 10)
     reordered = HunyuanVideoJointAttnProcessor._in_all_to_all_order(square, 3, 2, 2)
     order = [0, 1, 2, 6, 7, 3, 4, 5, 8, 9]
@@ -144,18 +145,19 @@ def test_joint_masks_are_in_all_to_all_key_order():
 
     # CogVideoX: text first per rank; [B, T] text mask -> [B, 1, 1, keys]
     text = torch.tensor([[True, True, True, False]])
-    mask = _text_key_mask(text, 2, 3, 2, True, "test")
+    mask = text_key_mask(text, 2, 3, 2, True, "test")
     assert mask.shape == (1, 1, 1, 10)
     assert mask[0, 0, 0].tolist() == [True, True, True, True, True, True, False, True, True, True]
 
 
 def test_bad_masks_name_the_fix():
-    from sp_diffusers.plans import CogVideoXJointAttnProcessor, HunyuanVideoJointAttnProcessor, _text_key_mask
+    from sp_diffusers.plans import CogVideoXJointAttnProcessor, HunyuanVideoJointAttnProcessor
+    from sp_diffusers.plans._joint import text_key_mask
 
     with pytest.raises(ValueError, match="encoder_attention_mask"):
         HunyuanVideoJointAttnProcessor._in_all_to_all_order(torch.ones(1, 1, 1, 7, dtype=torch.bool), 3, 2, 2)
     with pytest.raises(ValueError, match=r"\[B, T\] over the global \(padded\) text length 4"):
-        _text_key_mask(torch.ones(1, 3, dtype=torch.bool), 2, 3, 2, True, "CogVideoXJointAttnProcessor")
+        text_key_mask(torch.ones(1, 3, dtype=torch.bool), 2, 3, 2, True, "CogVideoXJointAttnProcessor")
 
     from sp_diffusers.tiny import tiny_model
 

@@ -197,7 +197,7 @@ def test_lora_aware_weight_export():
 @needs_verl
 def test_registry_lookup_and_idempotent_registration():
     r = _registry()
-    ours = "sp_diffusers.integrations.verl.SPDiffusersEngine"
+    ours = "sp_diffusers.integrations.verl_engine.SPDiffusersEngine"
     expected_keys = {
         f"{t}/{b}/{d}"
         for t in ("sp_diffusers_diffusion", "diffusion_model")
@@ -258,7 +258,7 @@ def test_entry_point_discovery_in_a_fresh_interpreter():
     )
     proc = _python(code, {"VERL_PLATFORM": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "FOUND sp_diffusers.integrations.verl.SPDiffusersEngine cpu gloo" in proc.stdout
+    assert "FOUND sp_diffusers.integrations.verl_engine.SPDiffusersEngine cpu gloo" in proc.stdout
     off = _python(
         "import verl\nfrom verl.workers.engine.base import EngineRegistry\n"
         "print('TYPES', sorted(EngineRegistry._engines))",
@@ -278,7 +278,7 @@ def test_missing_verl_names_the_extra():
 
 def test_verl_overrides_map_onto_train_config():
     from sp_diffusers.flowgrpo.config import load_config
-    from sp_diffusers.integrations.verl_config import translate_overrides
+    from sp_diffusers.integrations.verl_overrides import translate_overrides
 
     plan = translate_overrides(
         [
@@ -343,7 +343,7 @@ def test_verl_overrides_map_onto_train_config():
 )
 def test_verl_override_errors(overrides, message):
     from sp_diffusers.flowgrpo.config import ConfigError, load_config
-    from sp_diffusers.integrations.verl_config import translate_overrides
+    from sp_diffusers.integrations.verl_overrides import translate_overrides
 
     if message is None:
         with pytest.raises(ConfigError, match=r"did you mean flowgrpo\.group_size"):
@@ -490,7 +490,7 @@ def test_vllm_omni_model_checks_and_consistency_warnings():
 
 def test_verl_overrides_carry_the_rollout_settings():
     from sp_diffusers.flowgrpo.config import ConfigError, load_config
-    from sp_diffusers.integrations.verl_config import translate_overrides
+    from sp_diffusers.integrations.verl_overrides import translate_overrides
     from sp_diffusers.integrations.vllm_omni import RolloutMismatchWarning
 
     plan = translate_overrides(

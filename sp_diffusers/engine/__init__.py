@@ -1,8 +1,23 @@
 """FSDP2 engine adapter: one (dp, ring, ulysses) mesh, SP-aligned batches, the exact gradient contract,
-atomic DCP checkpoints. See ``FSDPEngine``."""
+atomic DCP checkpoints. See ``FSDPEngine``.
+
+    fsdp_engine.py   build (mesh, LoRA, backend, FSDP2, AdamW), forward/backward, optimizer step
+    settings.py      EngineSettings / OptimSettings / LoraSettings: what an engine is built from
+    batch.py         SP-aligned batches: ragged text padded to the degree, broadcast in the SP group
+    checkpoint.py    atomic, resumable DCP checkpoints: save, load, the layout/model checks
+    consistency.py   SP peers must see the same data: checksums compared across the group
+"""
 
 from .checkpoint import CheckpointError
 from .consistency import SPDivergenceError
-from .fsdp_engine import FSDPEngine, LoraSettings, OptimSettings
+from .fsdp_engine import FSDPEngine
+from .settings import EngineSettings, LoraSettings, OptimSettings
 
-__all__ = ["CheckpointError", "FSDPEngine", "LoraSettings", "OptimSettings", "SPDivergenceError"]
+__all__ = [
+    "CheckpointError",
+    "EngineSettings",
+    "FSDPEngine",
+    "LoraSettings",
+    "OptimSettings",
+    "SPDivergenceError",
+]

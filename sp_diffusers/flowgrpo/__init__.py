@@ -1,9 +1,10 @@
-"""The pure math of Flow-GRPO (arXiv 2505.05470): schedule, SDE step with log-prob, advantages, loss.
+"""Flow-GRPO (arXiv 2505.05470) for diffusers transformers under sequence parallelism.
 
 Flow-GRPO turns a flow-matching ODE sampler into an SDE inside a short window of steps so each of those
 steps is a Gaussian policy with a log-probability, then trains with a group-relative, PPO-clipped
-objective. This subpackage holds only the model-agnostic, single-process math (it imports nothing but
-torch), following the verl-omni / flow_grpo reference implementations:
+objective, following the verl-omni / flow_grpo reference implementations. The math modules (schedule,
+sde, advantages, loss) import nothing but torch; rollout, update, trainer and friends run it on an
+``FSDPEngine``. The math exported here:
 
 - :func:`flow_sigmas`, :func:`qwenimage_mu`, :func:`timesteps_from_sigmas`: the sampler's schedule;
 - :func:`sde_step_with_logprob` (-> :class:`SDEStep`) and :func:`ode_step`: one denoising step;

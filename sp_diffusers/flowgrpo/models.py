@@ -107,8 +107,9 @@ def build_adapter(
     """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching);
     ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input itself."""
     from ..compat import diffusers_version
+    from ..model_kinds import class_name
 
-    name = type(model).__name__.removeprefix("FSDP")
+    name = class_name(model)
     config = model.config
     if name == "QwenImageTransformer2DModel":
         patch = config.patch_size

@@ -5,15 +5,12 @@ choice is seeded by (seed, iteration, dp rank), never by the global rank) and th
 batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and TensorBoard when
 installed), ``reward_loss.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
 restarted run resumes from the newest one.
+
+Building the parts from the config: ``build.py``; the policy update: ``update.py``; metrics: ``metrics.py``.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import logging
-import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,47 +19,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine import FSDPEngine, LoraSettings, OptimSettings
+from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
+from ..launch import init_distributed
 from .advantages import group_advantages
+from .build import build_model, build_text_encoder, check_run, engine_settings, run_sigmas
 from .config import TrainConfig
-from .loss import flowgrpo_loss
+from .metrics import RunLog
 from .models import build_adapter
 from .rewards import Reward, build_reward
 from .rollout import Trajectory, evaluate_window_step, rollout
-from .schedule import flow_sigmas
-from .text import DEFAULT_PROMPTS, ByteTextEncoder, PipelineTextEncoder
+from .text import DEFAULT_PROMPTS
+from .update import policy_update
 
-logger = logging.getLogger(__name__)
+__all__ = ["FlowGRPOTrainer"]
 
-__all__ = ["FlowGRPOTrainer", "init_distributed"]
-
-
-def init_distributed(timeout_s: float = 600.0) -> None:
-    """Join the process group torchrun / accelerate launch describe in the environment (no-op otherwise)."""
-    if dist.is_initialized() or "RANK" not in os.environ:
-        return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-        return
-    # Under torchrun the store outlives a restart; gloo then reads the dead attempt's peer addresses and
-    # fails to connect ("connectFullMesh ... Connection refused"). A per-attempt key prefix isolates them.
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=not agent_hosts_store and rank == 0,
-        timeout=timeout,
-        multi_tenant=not agent_hosts_store,
-    )
-    store = dist.PrefixStore(f"sp_diffusers/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+EngineFactory = Callable[[torch.nn.Module, EngineSettings], FSDPEngine]
 
 
 def _seed(*parts: int) -> int:
@@ -80,101 +52,31 @@ class FlowGRPOTrainer:
         config: TrainConfig,
         reward: Reward | None = None,
         model: torch.nn.Module | None = None,
-        engine_factory: Callable[..., FSDPEngine] | None = None,
+        engine_factory: EngineFactory | None = None,
     ) -> None:
-        """``engine_factory(model, **FSDPEngine kwargs)`` builds the engine (default ``FSDPEngine``; the verl
-        integration passes one that builds it through verl's ``EngineRegistry``)."""
+        """``engine_factory(model, settings)`` builds the engine (default ``FSDPEngine``; the verl integration
+        passes one that builds it through verl's ``EngineRegistry``)."""
         init_distributed()
-        self.config = config
-        c = config
+        self.config = c = config
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        model = model if model is not None else self._build_model()
-        lora = None
-        if c.lora.enabled:
-            lora = LoraSettings(
-                rank=c.lora.rank,
-                alpha=c.lora.alpha,
-                target_modules=tuple(c.lora.target_modules),
-                init=c.lora.init,
-            )
-        self.engine = (engine_factory or FSDPEngine)(
-            model,
-            ulysses_sequence_parallel_size=c.parallel.ulysses_sequence_parallel_size,
-            ring_degree=c.parallel.ring_degree,
-            optim=OptimSettings(
-                lr=c.optim.lr,
-                eps=c.optim.eps,
-                weight_decay=c.optim.weight_decay,
-                max_grad_norm=c.optim.max_grad_norm,
-                warmup_steps=c.optim.warmup_steps,
-            ),
-            lora=lora,
-            use_fsdp=c.parallel.use_fsdp,
-            mixed_precision=c.parallel.mixed_precision or None,
-            activation_checkpointing=c.parallel.activation_checkpointing,
-            debug_checks=c.parallel.debug_checks,
-        )
-        self.text_encoder: ByteTextEncoder | PipelineTextEncoder
-        if c.text.pipeline:
-            # on the training device, in the training precision: T5-XXL alone is 4.7B parameters
-            self.text_encoder = PipelineTextEncoder(
-                c.text.pipeline,
-                c.text.max_sequence_length,
-                device=self.engine.device,
-                dtype=torch.bfloat16 if c.parallel.mixed_precision == "bf16" else torch.float32,
-            )
-        else:
-            self.text_encoder = ByteTextEncoder(
-                hidden_size=c.text.hidden_size, num_layers=c.text.num_layers, seed=c.text.seed
-            )
+        model = model if model is not None else build_model(c)
+        self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c))
+        self.text_encoder = build_text_encoder(c, self.engine.device)
         self.adapter = build_adapter(
             self.engine.model, c.model.image_size, pooled_from_encoder=bool(c.text.pipeline)
         )
-        text_dim = getattr(self.engine.model.config, "joint_attention_dim", None)
-        if text_dim is not None and text_dim != self.text_encoder.hidden_size:
-            key = "text.pipeline" if c.text.pipeline else "text.hidden_size"
-            raise ValueError(
-                f"{key}: the text encoder gives {self.text_encoder.hidden_size}-wide embeddings but the model's "
-                f"joint_attention_dim is {text_dim}; fix: use the pipeline that matches the transformer, or set "
-                f"text.hidden_size={text_dim}"
-            )
-        if self.adapter.tokens % self.engine.sp_size:
-            raise ValueError(
-                f"model.image_size={c.model.image_size} gives {self.adapter.tokens} image tokens, not divisible by "
-                f"the SP degree {self.engine.sp_size}; fix: pick an image_size whose token count is a multiple of it"
-            )
+        check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
         self.reward = reward if reward is not None else build_reward(c.flowgrpo.reward, self.adapter.channels)
-        g = c.flowgrpo
-        self.sigmas = flow_sigmas(g.num_steps, shift=g.shift or None)
-        lo, hi = g.window_range
-        if not (0 <= lo < hi <= g.num_steps - g.window_size + 1):
-            raise ValueError(
-                f"flowgrpo.window_range={g.window_range} must satisfy 0 <= lo < hi <= num_steps - window_size + 1 "
-                f"= {g.num_steps - g.window_size + 1}"
-            )
-        if g.kl_coef > 0 and lora is None:
-            raise ValueError(
-                "flowgrpo.kl_coef > 0 needs a reference policy; fix: enable lora (the reference is the base "
-                "model with adapters disabled) or set flowgrpo.kl_coef=0"
-            )
+        self.sigmas = run_sigmas(c)
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.start_iteration = 0
-        self.history: list[dict[str, Any]] = []
-        self._tb = None
+        self.log = RunLog(self.out_dir, self.rank)
 
-    def _build_model(self) -> torch.nn.Module:
-        from ..tiny import _model_class, tiny_model
-
-        c = self.config.model
-        if c.pretrained:
-            if not Path(c.pretrained).exists():
-                raise FileNotFoundError(
-                    f"model.pretrained={c.pretrained!r} does not exist (a save_pretrained folder)"
-                )
-            return _model_class(c.kind).from_pretrained(c.pretrained)
-        return tiny_model(c.kind, seed=c.seed, **c.overrides)
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.log.history
 
     # -------------------------------------------------------------------------------------- batches
 
@@ -278,68 +180,18 @@ class FlowGRPOTrainer:
     def update(
         self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
     ) -> dict[str, float]:
-        """Mini-batches x micro-batches x window steps; one backward per window step per micro-batch."""
-        g = self.config.flowgrpo
-        engine = self.engine
-        n = traj.latents.shape[0]
-        sums: dict[str, float] = {}
-        count = 0
-        optim_metrics: dict[str, float] = {}
-        for epoch in range(g.inner_epochs):
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(batch["shuffle_seed"] + epoch))
-            minis = perm.chunk(g.mini_batches)
-            for mini in minis:
-                micros = mini.split(g.micro_batch_size)
-                normalizer = float(len(micros) * g.window_size)
-                engine.zero_grad()
-                for micro in micros:
-                    idx = micro.to(traj.latents.device)
-                    cond = self._cond(batch, idx)
-                    for k in range(g.window_size):
-
-                        def loss_fn(eng, _batch, k=k, idx=idx, cond=cond, normalizer=normalizer):
-                            def evaluate():
-                                return evaluate_window_step(
-                                    eng,
-                                    self.adapter,
-                                    traj.latents[idx, k],
-                                    traj.latents[idx, k + 1],
-                                    self.sigmas,
-                                    traj.window_start + k,
-                                    cond,
-                                    g.noise_level,
-                                    g.cfg_scale,
-                                )
-
-                            step = evaluate()
-                            kl_args = {}
-                            if g.kl_coef > 0:
-                                with torch.no_grad(), eng.adapters_disabled():
-                                    ref = evaluate()  # the reference policy: the base model, adapters off
-                                kl_args = dict(
-                                    prev_sample_mean=step.prev_sample_mean,
-                                    ref_prev_sample_mean=ref.prev_sample_mean,
-                                    std_dev_t=step.std_dev_t,
-                                )
-                            return flowgrpo_loss(
-                                step.log_prob,
-                                old_log_probs[idx, k],
-                                advantages[idx],
-                                clip_range=g.clip_range,
-                                normalizer=normalizer,
-                                kl_coef=g.kl_coef,
-                                **kl_args,
-                            )
-
-                        metrics = engine.forward_backward(batch, loss_fn)
-                        for key, value in metrics.items():
-                            if isinstance(value, float):
-                                sums[key] = sums.get(key, 0.0) + value
-                        count += 1
-                optim_metrics = engine.optimizer_step()
-        out = {k: v / max(1, count) for k, v in sums.items()}
-        out.update(optim_metrics)
-        return out
+        """The policy update on one rollout (``update.policy_update``)."""
+        return policy_update(
+            self.engine,
+            self.adapter,
+            self.sigmas,
+            self.config.flowgrpo,
+            traj,
+            advantages,
+            old_log_probs,
+            lambda idx: self._cond(batch, idx),
+            batch["shuffle_seed"],
+        )
 
     def train_iteration(self, iteration: int) -> dict[str, Any]:
         start = time.perf_counter()
@@ -354,17 +206,6 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- loop
 
-    def _log(self, metrics: dict[str, Any]) -> None:
-        self.history.append(metrics)
-        if self.rank != 0:
-            return
-        with open(self.out_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, metrics["iteration"])
-
     def _resume(self) -> None:
         if not self.config.train.resume or find_latest(self.ckpt_dir) is None:
             return
@@ -374,34 +215,17 @@ class FlowGRPOTrainer:
             print(
                 f"resumed from {find_latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
             )
-        path = self.out_dir / "metrics.jsonl"
-        if self.rank == 0 and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line and json.loads(line)["iteration"] <= self.start_iteration
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
-            self.history = [json.loads(line) for line in kept]
+        self.log.truncate(self.start_iteration)
 
     def save(self, iteration: int) -> Path:
         return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra={"iteration": iteration})
 
     def run(self) -> list[dict[str, Any]]:
         c = self.config.train
-        if self.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-            except Exception:  # tensorboard is optional
-                self._tb = None
+        self.log.open(self.config.to_dict())
         if dist.is_initialized():
             dist.barrier()
         self._resume()
-        iterations = range(self.start_iteration, c.iterations)
         bar = None
         if self.rank == 0 and c.progress:
             from tqdm import tqdm
@@ -413,9 +237,9 @@ class FlowGRPOTrainer:
                 unit="it",
                 dynamic_ncols=True,
             )
-        for it in iterations:
+        for it in range(self.start_iteration, c.iterations):
             metrics = self.train_iteration(it)
-            self._log(metrics)
+            self.log.append(metrics)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(
@@ -430,11 +254,5 @@ class FlowGRPOTrainer:
             bar.close()
         if self.start_iteration < c.iterations:
             self.save(c.iterations)
-        if self.rank == 0:
-            if self._tb is not None:
-                self._tb.close()
-            if c.plot:
-                from .plot import plot_metrics
-
-                plot_metrics(self.history, self.out_dir / "reward_loss.png")
+        self.log.close(plot=c.plot)
         return self.history

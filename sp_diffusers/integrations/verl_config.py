@@ -1,236 +1,255 @@
-"""verl-style hydra overrides -> the FlowGRPO ``TrainConfig`` (``sp-diffusers train KEY=VALUE ...``).
+"""verl's configs -> sp-diffusers' ``EngineSettings``, and back (``fsdp_engine_via_verl``).
 
-A verl user's flag works unchanged::
+verl describes an engine with three objects: the model config (ours: :class:`DiffusionModelConfig`, or any
+verl model config with the same field names), ``FSDPEngineConfig`` (the layout: ``strategy``,
+``ulysses_sequence_parallel_size``, ``fsdp_size``, ``mixed_precision``, offload) and ``FSDPOptimizerConfig``.
+This module reads them once into :class:`~sp_diffusers.engine.EngineSettings`; every setting verl has that
+sp-diffusers cannot honour is refused with the verl key, the value and the fix.
 
-    sp-diffusers train actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2 \
-        actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.model.path=/ckpt/transformer \
-        actor_rollout_ref.actor.optim.lr=1e-4 trainer.n_gpus_per_node=2 trainer.nnodes=1
-
-``VERL_KEYS`` lists every verl key understood and the ``TrainConfig`` key it sets; keys of our own sections
-(``flowgrpo.group_size=8``) pass through. A verl key without a counterpart is refused with the closest
-supported keys (nothing is silently ignored). ``trainer.n_gpus_per_node x trainer.nnodes`` is the world
-size the launcher must start (checked against torchrun's ``WORLD_SIZE``), and
-``actor_rollout_ref.rollout.engine_kwargs.vllm_omni.*`` are validated as the rollout's SP settings.
+(The CLI's verl-style hydra overrides, ``sp-diffusers train actor_rollout_ref...=...``, are in
+``verl_overrides.py``; ``translate_overrides`` is still importable from here.)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..flowgrpo.config import ConfigError, TrainConfig
-from .vllm_omni import (
-    ENGINE_KWARGS_PREFIX,
-    RolloutConfigError,
-    RolloutParallelSettings,
-    check_consistency,
-    settings_from_engine_kwargs,
-)
+import torch
 
+from ..engine import EngineSettings, LoraSettings, OptimSettings
+from ..mesh import MeshError, ParallelDims
+
+__all__ = [
+    "BACKENDS",
+    "DiffusionModelConfig",
+    "config_error",
+    "engine_settings",
+    "get_field",
+    "model_dtype",
+    "parallel_dims",
+    "verl_configs",
+]
+
+BACKENDS = ("fsdp", "fsdp2")  # verl's strategies; both mean FSDP2 (fully_shard) here
 SP_KEY = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
-REF_SP_KEY = "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size"
-STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
-VERL_ROOTS = (
-    "actor_rollout_ref",
-    "trainer",
-    "data",
-    "algorithm",
-    "critic",
-    "reward_model",
-    "custom_reward_function",
-    "ray_init",
-)
-STRATEGIES = ("fsdp", "fsdp2")  # both mean FSDP2 (fully_shard) in sp-diffusers
-
-# verl key -> TrainConfig key (plain copies of the value)
-VERL_KEYS: dict[str, str] = {
-    SP_KEY: "parallel.ulysses_sequence_parallel_size",
-    "actor_rollout_ref.model.path": "model.pretrained",
-    "actor_rollout_ref.model.ring_degree": "parallel.ring_degree",
-    "actor_rollout_ref.model.lora_alpha": "lora.alpha",
-    "actor_rollout_ref.model.target_modules": "lora.target_modules",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "parallel.activation_checkpointing",
-    "actor_rollout_ref.actor.optim.lr": "optim.lr",
-    "actor_rollout_ref.actor.optim.weight_decay": "optim.weight_decay",
-    "actor_rollout_ref.actor.optim.clip_grad": "optim.max_grad_norm",
-    "actor_rollout_ref.actor.grad_clip": "optim.max_grad_norm",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": "optim.warmup_steps",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "flowgrpo.micro_batch_size",
-    "actor_rollout_ref.actor.ppo_epochs": "flowgrpo.inner_epochs",
-    "actor_rollout_ref.actor.clip_ratio": "flowgrpo.clip_range",
-    "actor_rollout_ref.actor.kl_loss_coef": "flowgrpo.kl_coef",
-    "actor_rollout_ref.rollout.n": "flowgrpo.group_size",
-    "trainer.total_training_steps": "train.iterations",
-    "trainer.default_local_dir": "train.out_dir",
-    "trainer.save_freq": "train.save_every",
-}
-# verl keys handled by a rule rather than a copy
-SPECIAL_KEYS = (
-    STRATEGY_KEY,
-    REF_SP_KEY,
-    "actor_rollout_ref.model.lora_rank",
-    "actor_rollout_ref.actor.use_kl_loss",
-    "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
-    "trainer.n_gpus_per_node",
-    "trainer.nnodes",
-)
-
-__all__ = ["SPECIAL_KEYS", "VERL_KEYS", "VerlPlan", "is_verl_key", "translate_overrides"]
+RING_KEY = "actor_rollout_ref.model.ring_degree"
 
 
 @dataclass
-class VerlPlan:
-    """What a list of overrides means: our config overrides, the launch size and the rollout settings."""
+class DiffusionModelConfig:
+    """The model side of the engine (verl's ``model_config``).
 
-    overrides: list[str] = field(default_factory=list)  # TrainConfig "key=value" overrides, in order
-    verl: dict[str, Any] = field(default_factory=dict)  # the verl keys given, parsed
-    n_gpus_per_node: int | None = None
-    nnodes: int | None = None
-    rollout: RolloutParallelSettings | None = None
+    One of: ``module`` (an already-built diffusers transformer), ``path`` (a ``save_pretrained`` transformer
+    folder, or a pipeline folder with ``transformer/``), or ``tiny`` (an ``sp_diffusers.tiny`` kind, random
+    weights: the embedded default). LoRA when ``lora_rank > 0``; ``lora["merge"]`` says what
+    ``get_per_tensor_param`` sends to the rollout (see there). Other verl model configs with the same field
+    names (``local_path``/``path``, ``lora_rank``, ``lora_alpha``, ``target_modules``, ...) work too.
+    """
 
-    @property
-    def world_size(self) -> int | None:
-        """``n_gpus_per_node x nnodes`` when either is given (the other defaults to 1)."""
-        if self.n_gpus_per_node is None and self.nnodes is None:
-            return None
-        return (self.n_gpus_per_node or 1) * (self.nnodes or 1)
+    path: str = ""
+    subfolder: str | None = None  # None: "transformer" when <path>/transformer/config.json exists
+    tiny: str = ""
+    tiny_overrides: dict = field(default_factory=dict)
+    seed: int = 0
+    module: torch.nn.Module | None = field(default=None, repr=False)
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: Any = ("to_q", "to_k", "to_v", "to_out.0")
+    lora_init_weights: str | bool = "gaussian"
+    lora: dict = field(default_factory=dict)
+    enable_gradient_checkpointing: bool = False
+    attention_backend: str = "ulysses_sdpa"
+    debug_checks: bool = False
+    use_fsdp: bool = True
+    device: str | None = None  # None: from verl's platform (cpu under VERL_PLATFORM=cpu, else cuda/npu)
+    # Ulysses x Ring: verl's FSDPEngineConfig carries the Ulysses degree only (and refuses unknown keys),
+    # so the ring degree rides here (actor_rollout_ref.model.ring_degree); SP degree = ulysses x ring.
+    ring_degree: int = 1
 
-    def check_launch(self, world_size: int) -> None:
-        """Refuse a launch whose process count is not ``trainer.n_gpus_per_node x trainer.nnodes``."""
-        if self.world_size is not None and self.world_size != world_size:
-            raise ConfigError(
-                f"trainer.n_gpus_per_node x trainer.nnodes = {self.n_gpus_per_node or 1} x {self.nnodes or 1} = "
-                f"{self.world_size} but {world_size} processes were launched; fix: launch {self.world_size} "
-                f"(torchrun --nnodes {self.nnodes or 1} --nproc_per_node {self.n_gpus_per_node or 1}) or change "
-                "the two keys"
-            )
 
-    def check_rollout(self, config: TrainConfig) -> list[str]:
-        """Warn where the rollout's attention (engine_kwargs.vllm_omni.*) would differ from the trainer's."""
-        if self.rollout is None:
-            return []
-        return check_consistency(
-            self.rollout,
-            trainer_dtype=config.parallel.mixed_precision or "fp32",
-            rollout_dtype=str(self.verl.get("actor_rollout_ref.rollout.dtype", "bf16")),
+def get_field(config: Any, name: str, default: Any = None) -> Any:
+    """``config.name`` (verl dataclasses and plain objects alike); ``default`` when missing or None."""
+    got = getattr(config, name, default) if config is not None else default
+    return default if got is None else got
+
+
+def config_error(parameter: str, got: Any, fix: str) -> ValueError:
+    return ValueError(f"{parameter}={got!r} is not supported by the sp-diffusers verl engine; fix: {fix}")
+
+
+def optim_settings(config: Any) -> OptimSettings:
+    """verl's ``FSDPOptimizerConfig`` -> ``OptimSettings`` (AdamW, linear warmup, then constant)."""
+    if config is None:
+        return OptimSettings()
+    name, impl = (
+        str(get_field(config, "optimizer", "AdamW")),
+        str(get_field(config, "optimizer_impl", "torch.optim")),
+    )
+    if name.lower() != "adamw" or impl != "torch.optim":
+        raise config_error(
+            "actor_rollout_ref.actor.optim.optimizer",
+            f"{impl}.{name}",
+            "optimizer=AdamW, optimizer_impl=torch.optim",
         )
-
-
-def is_verl_key(key: str) -> bool:
-    return key.split(".", 1)[0] in VERL_ROOTS
-
-
-def _parse(raw: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(raw)
-
-
-def _section_keys() -> set[str]:
-    return {f.name for f in dataclasses.fields(TrainConfig)}
-
-
-def translate_overrides(items: list[str]) -> VerlPlan:
-    """``["verl.key=value" | "our.key=value", ...]`` -> a ``VerlPlan`` (errors name the key and the fix)."""
-    plan = VerlPlan()
-    engine_kwargs: dict[str, Any] = {}
-    ours = _section_keys()
-    supported = sorted([*VERL_KEYS, *SPECIAL_KEYS, f"{ENGINE_KWARGS_PREFIX}.<field>"])
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. {SP_KEY}=2)")
-        key, raw = item.split("=", 1)
-        key = key.strip().lstrip("+")  # hydra's "+key" / "++key" (add / force-add) mean the same here
-        if key.startswith("~"):
-            raise ConfigError(
-                f"override {item!r} deletes a key; fix: sp-diffusers has no key deletion, omit it"
-            )
-        if key.split(".", 1)[0] in ours:
-            plan.overrides.append(f"{key}={raw}")
-            continue
-        if not is_verl_key(key):
-            close = difflib.get_close_matches(key, [*supported, *ours], n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(
-                f"unknown override key '{key}'{hint} (verl keys start with {', '.join(VERL_ROOTS[:2])}, ...; "
-                f"ours with {', '.join(sorted(ours))})"
-            )
-        value = _parse(raw)
-        plan.verl[key] = value
-        if key.startswith(ENGINE_KWARGS_PREFIX + "."):
-            engine_kwargs[key[len(ENGINE_KWARGS_PREFIX) + 1 :]] = value
-        elif key in VERL_KEYS:
-            plan.overrides.append(f"{VERL_KEYS[key]}={raw}")
-        elif key in SPECIAL_KEYS:
-            _special(plan, key, value)
-        elif key == "actor_rollout_ref.rollout.dtype":
-            pass  # read by check_rollout
-        else:
-            close = difflib.get_close_matches(key, supported, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(
-                f"verl key '{key}' has no counterpart in sp-diffusers' FlowGRPO trainer{hint}; fix: drop it, or use "
-                f"one of the supported keys (docs/integrations.md lists them)"
-            )
-    _finish(plan, engine_kwargs)
-    return plan
-
-
-def _special(plan: VerlPlan, key: str, value: Any) -> None:
-    if key == STRATEGY_KEY:
-        if value not in STRATEGIES:
-            raise ConfigError(
-                f"{key}={value!r} is not supported by sp-diffusers (an FSDP2 engine); fix: {key}=fsdp2 (or fsdp)"
-            )
-        plan.overrides.append("parallel.use_fsdp=true")
-    elif key == REF_SP_KEY:
-        pass  # checked against the actor's degree in _finish
-    elif key == "actor_rollout_ref.model.lora_rank":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{key}={value!r} must be an int >= 0 (0: full fine-tuning); fix: {key}=16")
-        plan.overrides.append(f"lora.enabled={'true' if value > 0 else 'false'}")
-        if value > 0:
-            plan.overrides.append(f"lora.rank={value}")
-    elif key == "actor_rollout_ref.actor.use_kl_loss":
-        if value is False:
-            plan.overrides.append("flowgrpo.kl_coef=0.0")
-    elif key == "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype":
-        name = str(value).lower()
-        if name not in ("bf16", "bfloat16", "fp32", "float32"):
-            raise ConfigError(
-                f"{key}={value!r}: sp-diffusers trains in fp32 or bf16; fix: {key}=bf16 (or fp32)"
-            )
-        plan.overrides.append(f"parallel.mixed_precision={'bf16' if name in ('bf16', 'bfloat16') else ''!r}")
-    elif key in ("trainer.n_gpus_per_node", "trainer.nnodes"):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{key}={value!r} must be a positive int; fix: {key}=1")
-        setattr(plan, key.split(".", 1)[1], value)
-
-
-def _finish(plan: VerlPlan, engine_kwargs: dict[str, Any]) -> None:
-    actor_sp = plan.verl.get(SP_KEY)
-    ref_sp = plan.verl.get(REF_SP_KEY)
-    if ref_sp is not None and ref_sp != (actor_sp if actor_sp is not None else ref_sp):
-        raise ConfigError(
-            f"{REF_SP_KEY}={ref_sp!r} differs from {SP_KEY}={actor_sp!r}: the KL reference is the same model with "
-            "LoRA adapters off, so it runs in the actor's layout; fix: give both the same degree"
+    schedule = get_field(config, "lr_scheduler_type", "constant")
+    if schedule != "constant":
+        raise config_error(
+            "actor_rollout_ref.actor.optim.lr_scheduler_type", schedule, "lr_scheduler_type=constant"
         )
-    if ref_sp is not None and actor_sp is None:
-        plan.overrides.append(f"parallel.ulysses_sequence_parallel_size={ref_sp}")
-    sp = actor_sp if actor_sp is not None else ref_sp
-    if sp is not None and (not isinstance(sp, int) or isinstance(sp, bool) or sp < 1):
-        raise ConfigError(f"{SP_KEY}={sp!r} must be a positive int; fix: {SP_KEY}=2")
-    world = plan.world_size
-    if sp is not None and world is not None and world % sp:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ConfigError(
-            f"{SP_KEY}={sp} does not divide trainer.n_gpus_per_node x trainer.nnodes = {world}; fix: pick one of "
-            f"{divisors}"
+    warmup = int(get_field(config, "lr_warmup_steps", -1))
+    if warmup <= 0:
+        total = int(get_field(config, "total_training_steps", -1))
+        warmup = int(float(get_field(config, "lr_warmup_steps_ratio", 0.0)) * total) if total > 0 else 0
+    override = dict(get_field(config, "override_optimizer_config", {}) or {})
+    eps = float(override.pop("eps", 1e-8))
+    if override:
+        raise config_error(
+            "actor_rollout_ref.actor.optim.override_optimizer_config",
+            override,
+            "only 'eps' can be overridden",
         )
-    if engine_kwargs:
-        try:
-            plan.rollout = settings_from_engine_kwargs(engine_kwargs)
-        except RolloutConfigError as err:
-            raise ConfigError(str(err)) from err
+    return OptimSettings(
+        lr=float(config.lr),
+        weight_decay=float(get_field(config, "weight_decay", 0.0)),
+        betas=tuple(float(b) for b in get_field(config, "betas", (0.9, 0.999))),
+        eps=eps,
+        warmup_steps=warmup,
+        max_grad_norm=float(get_field(config, "clip_grad", 0.0)),
+    )
+
+
+def mixed_precision(engine_config: Any) -> str | None:
+    mp = get_field(engine_config, "mixed_precision", None)
+    if not mp:
+        return None
+    param = str(mp.get("param_dtype", "bf16")).lower()
+    reduce = str(mp.get("reduce_dtype", "fp32")).lower()
+    if reduce not in ("fp32", "float32"):
+        raise config_error(
+            "actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype", reduce, "reduce_dtype=fp32"
+        )
+    if param in ("bf16", "bfloat16"):
+        return "bf16"
+    if param in ("fp32", "float32"):
+        return None
+    raise config_error(
+        "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", param, "param_dtype=bf16 or fp32"
+    )
+
+
+def model_dtype(engine_config: Any) -> torch.dtype:
+    name = str(get_field(engine_config, "model_dtype", "fp32")).lower()
+    table = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
+    if name not in table:
+        raise config_error(
+            "actor_rollout_ref.actor.fsdp_config.model_dtype", name, "model_dtype=fp32 (or bf16)"
+        )
+    return table[name]
+
+
+def lora_settings(model_config: Any) -> LoraSettings | None:
+    """LoRA from verl's model-config fields (``lora_rank > 0`` turns it on)."""
+    rank = int(get_field(model_config, "lora_rank", 0))
+    if rank <= 0:
+        return None
+    targets = get_field(model_config, "target_modules", LoraSettings.target_modules)
+    return LoraSettings(
+        rank=rank,
+        alpha=float(get_field(model_config, "lora_alpha", 16.0)),
+        target_modules=(targets,) if isinstance(targets, str) else tuple(targets),
+        init=get_field(model_config, "lora_init_weights", "gaussian"),
+    )
+
+
+def parallel_dims(model_config: Any, engine_config: Any, world: int) -> ParallelDims:
+    """The layout verl's configs ask for, validated against the world (errors name the verl keys)."""
+    strategy = get_field(engine_config, "strategy", "fsdp2")
+    if strategy not in BACKENDS:
+        raise config_error("actor_rollout_ref.actor.strategy", strategy, "strategy=fsdp2 (or fsdp)")
+    fsdp_size = int(get_field(engine_config, "fsdp_size", -1))
+    if fsdp_size not in (-1, world):
+        raise config_error(
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size", fsdp_size, "fsdp_size=-1 (shard over all ranks)"
+        )
+    try:
+        return ParallelDims(
+            world,
+            get_field(engine_config, "ulysses_sequence_parallel_size", 1),
+            get_field(model_config, "ring_degree", 1),
+        )
+    except MeshError as err:
+        raise MeshError(f"{SP_KEY} x {RING_KEY}: {err}") from err
+
+
+def engine_settings(
+    model_config: Any, engine_config: Any, optimizer_config: Any, device: Any = None
+) -> EngineSettings:
+    """The one translation of verl's three configs into the engine's settings."""
+    return EngineSettings(
+        ulysses_sequence_parallel_size=get_field(engine_config, "ulysses_sequence_parallel_size", 1),
+        ring_degree=get_field(model_config, "ring_degree", 1),
+        optim=optim_settings(optimizer_config),
+        lora=lora_settings(model_config),
+        use_fsdp=bool(get_field(model_config, "use_fsdp", True)),
+        mixed_precision=mixed_precision(engine_config),
+        activation_checkpointing=bool(get_field(model_config, "enable_gradient_checkpointing", False)),
+        attention_backend=get_field(
+            model_config, "attention_backend", DiffusionModelConfig.attention_backend
+        ),
+        debug_checks=bool(get_field(model_config, "debug_checks", False)),
+        device=device,
+    )
+
+
+def verl_configs(settings: EngineSettings, module: torch.nn.Module) -> tuple[Any, Any, Any]:
+    """``(model_config, engine_config, optimizer_config)`` that :func:`engine_settings` reads back as
+    ``settings`` (the model is passed as an object): how ``fsdp_engine_via_verl`` speaks to verl."""
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig
+
+    lora, o = settings.lora, settings.optim
+    if lora is not None and lora.adapter_name != "default":
+        raise config_error("lora.adapter_name", lora.adapter_name, "adapter_name='default'")
+    engine_config = FSDPEngineConfig(
+        strategy="fsdp2",
+        ulysses_sequence_parallel_size=settings.ulysses_sequence_parallel_size,
+        mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32"}
+        if settings.mixed_precision == "bf16"
+        else None,
+    )
+    optimizer_config = FSDPOptimizerConfig(
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=o.betas,
+        clip_grad=o.max_grad_norm,
+        lr_warmup_steps=o.warmup_steps,
+        override_optimizer_config={"eps": o.eps},
+    )
+    model_config = DiffusionModelConfig(
+        module=module,
+        lora_rank=lora.rank if lora else 0,
+        lora_alpha=lora.alpha if lora else 16.0,
+        target_modules=lora.target_modules if lora else DiffusionModelConfig.target_modules,
+        lora_init_weights=lora.init if lora else "gaussian",
+        enable_gradient_checkpointing=settings.activation_checkpointing,
+        attention_backend=settings.attention_backend,
+        debug_checks=settings.debug_checks,
+        use_fsdp=settings.use_fsdp,
+        device=str(settings.device) if settings.device is not None else None,
+        ring_degree=settings.ring_degree,
+    )
+    return model_config, engine_config, optimizer_config
+
+
+def __getattr__(name: str) -> Any:
+    # the CLI's hydra overrides lived here before verl_overrides.py: keep the old import path working
+    if name in ("translate_overrides", "VERL_KEYS", "VerlPlan"):
+        from . import verl_overrides
+
+        return getattr(verl_overrides, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

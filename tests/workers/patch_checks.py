@@ -217,7 +217,7 @@ def check_mesh_injection(world: int) -> dict:
     from sp_diffusers.patches import mesh_injection as patch
 
     import sp_diffusers
-    from sp_diffusers.compat import INJECTED_MESH_ATTR, config_accepts_mesh
+    from sp_diffusers.compat import config_accepts_mesh
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
     sp = world // 2
@@ -235,7 +235,7 @@ def check_mesh_injection(world: int) -> dict:
         from diffusers import ContextParallelConfig
 
         cfg = ContextParallelConfig(ulysses_degree=sp)
-        setattr(cfg, INJECTED_MESH_ATTR, mesh)
+        setattr(cfg, patch.INJECTED_MESH_ATTR, mesh)
         _, defect = _try(lambda: m.enable_parallelism(config=cfg))
         defect = defect or "shared mesh ignored"
         dist.barrier()

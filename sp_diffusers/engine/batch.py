@@ -1,0 +1,82 @@
+"""Batches for an SP group: ragged text padded to the SP degree, on the device, identical on every SP rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..padding import pad_text_batch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fsdp_engine import FSDPEngine
+
+__all__ = ["TEXT_KEYS", "broadcast_in_sp_group", "prepare_batch"]
+
+TEXT_KEYS = (
+    ("prompt_embeds", "prompt_embeds_mask"),
+    ("negative_prompt_embeds", "negative_prompt_embeds_mask"),
+)
+
+
+def prepare_batch(
+    engine: FSDPEngine, batch: dict[str, Any], image_keys: tuple[str, ...] = ("latents",)
+) -> dict[str, Any]:
+    """Dense, SP-aligned, on-device, identical on every SP rank (see ``FSDPEngine.prepare_batch``)."""
+    sp = engine.sp_size
+    out = dict(batch)
+    for emb_key, mask_key in TEXT_KEYS:
+        if emb_key in out and out[emb_key] is not None:
+            out[emb_key], out[mask_key] = pad_text_batch(out[emb_key], out.get(mask_key), sp, emb_key)
+    for key in image_keys:
+        value = out.get(key)
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] % sp:
+            raise ValueError(
+                f"{key} has {value.shape[1]} tokens, not divisible by the SP degree {sp}; fix: "
+                f"choose an image/video size whose token count is a multiple of {sp}, or lower "
+                "ulysses_sequence_parallel_size"
+            )
+    out = {k: (v.to(engine.device) if torch.is_tensor(v) else v) for k, v in out.items()}
+    if engine.debug_checks:
+        engine.verify_sp_consistency(out, "batch (before broadcast)")
+    return broadcast_in_sp_group(engine, out)
+
+
+def broadcast_in_sp_group(engine: FSDPEngine, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor (and list of tensors) as the SP group's first rank has it."""
+    if engine.sp_group is None or engine.sp_size == 1:
+        return tensors
+    src = engine.sp_src_global_rank()
+    meta = [{k: _describe(v) for k, v in tensors.items()}]
+    dist.broadcast_object_list(meta, src=src, group=engine.sp_group)
+    return {
+        key: _broadcast_value(tensors.get(key), desc, src, engine.sp_group, engine.device)
+        for key, desc in meta[0].items()
+    }
+
+
+def _describe(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)) and value and all(torch.is_tensor(v) for v in value):
+        return ("tensors", [(tuple(v.shape), v.dtype) for v in value])
+    return ("object", value)
+
+
+def _broadcast_value(value: Any, desc: Any, src: int, group, device: torch.device) -> Any:
+    kind = desc[0]
+    if kind == "object":
+        return desc[1]
+    mine = dist.get_rank() == src
+    if kind == "tensor":
+        _, shape, dtype = desc
+        t = value.contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=src, group=group)
+        return t
+    items = []
+    for i, (shape, dtype) in enumerate(desc[1]):
+        t = value[i].contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(t, src=src, group=group)
+        items.append(t)
+    return items

@@ -1,0 +1,79 @@
+"""What an ``FSDPEngine`` is built from: one settings object that the trainer's config, verl's configs and
+direct callers all translate into (nothing restates the engine's arguments)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..registry import BACKEND_NAME
+
+__all__ = ["EngineSettings", "LoraSettings", "OptimSettings"]
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """AdamW with linear warmup; gradients clipped to ``max_grad_norm`` (<= 0: no clipping)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (peft) added before sharding; the base weights are frozen."""
+
+    rank: int = 8
+    alpha: float = 8.0
+    target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    init: str | bool = "gaussian"  # peft's init_lora_weights
+    adapter_name: str = "default"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine's layout, optimizer, adapters and execution options.
+
+    Args:
+        ulysses_sequence_parallel_size: the Ulysses degree (verl's flag name); 1 turns SP off.
+        ring_degree: the ring dimension of Ulysses x Ring (USP): SP degree = ulysses x ring, heads need only
+            divide the Ulysses degree.
+        optim: AdamW, warmup and clipping.
+        lora: add LoRA adapters before sharding and train only them (None: full fine-tuning).
+        use_fsdp: shard with FSDP2 (``fully_shard``); False keeps replicas and all-reduces gradients.
+        mixed_precision: ``"bf16"`` computes in bfloat16 with fp32 gradient reduction (FSDP only).
+        activation_checkpointing: recompute block activations in backward (``enable_gradient_checkpointing``).
+        attention_backend: the diffusers attention backend (``ulysses_sdpa``, or ``native`` after install()).
+        debug_checks: verify with a checksum that SP peers see the same batch, and raise on divergence.
+        device: the compute device (None: ``cuda:LOCAL_RANK`` with a GPU, else the CPU).
+    """
+
+    ulysses_sequence_parallel_size: int = 1
+    ring_degree: int = 1
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    lora: LoraSettings | None = None
+    use_fsdp: bool = True
+    mixed_precision: str | None = None
+    activation_checkpointing: bool = False
+    attention_backend: str = BACKEND_NAME
+    debug_checks: bool = False
+    device: Any = None
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in (None, "bf16", "fp32"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose None/'fp32' or 'bf16'")
+
+    def replace(self, **changes: Any) -> EngineSettings:
+        """A copy with ``changes``; an unknown name is refused with the closest field names."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            close = {k: difflib.get_close_matches(k, names, n=2) for k in unknown}
+            raise TypeError(f"unknown engine setting(s) {unknown} (closest: {close}); valid: {sorted(names)}")
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,70 @@
+"""A run's metrics: the in-memory history, ``metrics.jsonl`` (rank 0), TensorBoard when installed, the plot.
+
+On resume the file is cut back to the checkpoint's iteration, so a run restarted from step N continues the
+same file with N + 1 (no iteration twice).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunLog"]
+
+
+class RunLog:
+    """Per-iteration metrics of one run; only ``rank == 0`` writes anything."""
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        self.out_dir, self.rank = Path(out_dir), rank
+        self.path = self.out_dir / "metrics.jsonl"
+        self.history: list[dict[str, Any]] = []
+        self._tb = None
+
+    def open(self, config: dict[str, Any]) -> None:
+        """Create the output folder, write ``config.json``, start TensorBoard (optional)."""
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(config, indent=2))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        except Exception:  # tensorboard is optional
+            self._tb = None
+
+    def append(self, metrics: dict[str, Any]) -> None:
+        self.history.append(metrics)
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, metrics["iteration"])
+
+    def truncate(self, iteration: int) -> None:
+        """Keep the lines up to ``iteration`` (resuming from its checkpoint) as the history."""
+        if self.rank != 0 or not self.path.exists():
+            return
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line and json.loads(line)["iteration"] <= iteration
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.history = [json.loads(line) for line in kept]
+
+    def close(self, plot: bool) -> None:
+        if self.rank != 0:
+            return
+        if self._tb is not None:
+            self._tb.close()
+        if plot:
+            from .plot import plot_metrics
+
+            plot_metrics(self.history, self.out_dir / "reward_loss.png")
