@@ -41,7 +41,10 @@ EXCEPTIONS = {("sp_diffusers.patches.native_ulysses", "sp_diffusers.attention")}
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for base, package in ((ROOT / "sp_diffusers", "sp_diffusers"), (ROOT / "patches", "sp_diffusers.patches")):
+    for base, package in (
+        (ROOT / "sp_diffusers", "sp_diffusers"),
+        (ROOT / "patches", "sp_diffusers.patches"),
+    ):
         for path in base.rglob("*.py"):
             parts = path.relative_to(base).with_suffix("").parts
             name = ".".join((package, *parts)).removesuffix(".__init__")
