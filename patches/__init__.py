@@ -15,12 +15,14 @@ from . import (
     native_ulysses,
     qwenimage_joint_mask,
     root_hook_return_dict,
+    uneven_sharding,
 )
 from ._base import Probe
 
 ALL_PATCHES = (
     cpu_device_count,
     root_hook_return_dict,
+    uneven_sharding,
     mesh_injection,
     qwenimage_joint_mask,
     backend_leak,

@@ -29,6 +29,7 @@ __all__ = [
     "heads_to_seq",
     "seq_to_heads",
     "split_sizes",
+    "to_all_to_all_order",
 ]
 
 
@@ -255,6 +256,20 @@ def heads_to_seq(
     if world == 1:
         return list(tensors)
     return list(_HeadsToSeq.apply(group, sizes, *tensors))
+
+
+def to_all_to_all_order(x: torch.Tensor, dim: int, first: list[int], second: list[int]) -> torch.Tensor:
+    """Reorder ``dim`` of ``x`` from stream order to the key order the all-to-all produces.
+
+    ``first``/``second`` are every rank's lengths of the two streams; ``x.shape[dim] == sum(first) +
+    sum(second)``, laid out ``[first stream, second stream]`` (the order of one process). Returns it as
+    ``[first_0, second_0, first_1, second_1, ...]``, the order in which Ulysses concatenates each rank's
+    ``cat([first_r, second_r])`` chunk.
+    """
+    dim = dim % x.dim()
+    a, b = x.split([sum(first), sum(second)], dim=dim)
+    pieces = [t for pair in zip(a.split(first, dim=dim), b.split(second, dim=dim), strict=True) for t in pair]
+    return torch.cat(pieces, dim=dim)
 
 
 def all_gather_along(
