@@ -4,6 +4,6 @@
 # Extra arguments go to `sp-diffusers demo` (e.g. --model wan --backend native).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh >/dev/null
+bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/torchrun --standalone --nproc_per_node 2 -m sp_diffusers.cli demo "$@"

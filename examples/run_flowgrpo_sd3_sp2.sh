@@ -7,7 +7,7 @@
 #       exactly the path of run_flowgrpo_sd35m_gpu.sh with the real checkpoint
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh >/dev/null
+bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 extra=()
 if [[ -n "${PIPELINE:-}" ]]; then

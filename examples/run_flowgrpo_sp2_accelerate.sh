@@ -5,7 +5,7 @@
 # processes use gloo. (`--cpu` with several processes would need mpirun.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh >/dev/null
+bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --main_process_port "${PORT:-29533}" \
   -m sp_diffusers.cli train --config examples/configs/tiny_qwenimage_sp2.yaml \

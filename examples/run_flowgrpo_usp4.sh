@@ -8,7 +8,7 @@
 # +actor_rollout_ref.model.ring_degree=2 (verl's engine config has no ring field).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh >/dev/null
+bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec .venv/bin/torchrun --standalone --nproc_per_node 4 -m sp_diffusers.cli train \
   --config examples/configs/tiny_qwenimage_sp2.yaml \

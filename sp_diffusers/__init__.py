@@ -28,6 +28,8 @@ __all__ = [
     "context_parallel_config",
     "install",
     "pad_text_batch",
+    "sp_degree",
+    "sync_sp_gradients",
     "uninstall",
 ]
 
@@ -43,6 +45,8 @@ _LAZY = {
     "LoraSettings": ("engine", "LoraSettings"),
     "OptimSettings": ("engine", "OptimSettings"),
     "pad_text_batch": ("padding", "pad_text_batch"),
+    "sync_sp_gradients": ("gradients", "sync_sp_gradients"),
+    "sp_degree": ("gradients", "sp_degree"),
     "ulysses_sdpa_attention": ("attention", "ulysses_sdpa_attention"),
 }
 

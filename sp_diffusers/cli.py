@@ -1,15 +1,30 @@
-"""``sp-diffusers <command>`` / ``python -m sp_diffusers.cli <command>``.
+"""The ``sp-diffusers`` command (also ``python -m sp_diffusers.cli``).
 
-Commands:
-    train    FlowGRPO under FSDP2 + Ulysses SP from a YAML config (run under torchrun / accelerate launch)
-    demo     tiny model, forward + backward under Ulysses SP vs one process (run under torchrun)
-    report   what ``install()`` would do on this machine and diffusers version
+Commands: ``train`` (FlowGRPO under FSDP2 + Ulysses SP from a YAML config), ``demo`` (a tiny model's forward
+and backward under SP against one process), ``report`` (what ``install()`` does with this diffusers). ``train``
+and ``demo`` run under a launcher: ``torchrun --nproc_per_node 2 -m sp_diffusers.cli train ...`` or, with the
+console script, ``torchrun --nproc_per_node 2 --no-python sp-diffusers train ...``.
+
+A mistake in the command or the config prints one block, once (rank 0), and exits with status 2; the
+other ranks stay quiet (``SP_DIFFUSERS_TRACEBACK=1`` re-raises it with its traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+DESCRIPTION = (
+    "Exact Ulysses sequence parallelism for diffusers transformers. Run train/demo under torchrun: "
+    "'torchrun --nproc_per_node 2 -m sp_diffusers.cli train ...' (or 'torchrun --nproc_per_node 2 "
+    "--no-python sp-diffusers train ...')."
+)
+USAGE_ERROR = 2
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _report(_: argparse.Namespace) -> int:
@@ -23,7 +38,7 @@ def _engine_factory(choice: str, verl_keys: bool):
     """``auto``: through verl's EngineRegistry when the run is driven by verl keys and verl is installed;
     ``verl``: always; ``native``: never."""
     import importlib.util
-    import os
+    import warnings
 
     if choice == "native" or (
         choice == "auto" and (not verl_keys or importlib.util.find_spec("verl") is None)
@@ -34,20 +49,15 @@ def _engine_factory(choice: str, verl_keys: bool):
     if "VERL_PLATFORM" not in os.environ and not torch.cuda.is_available():
         # verl 0.9.1 has no CPU platform and would fall back to "cuda"/"nccl": opt in to ours (gloo)
         os.environ["VERL_PLATFORM"] = "cpu"
+    # verl announces each optional engine it cannot import (torchtitan, megatron, ...): nothing to act on here
+    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
     from .integrations.verl import MODEL_TYPE, fsdp_engine_via_verl
 
     return fsdp_engine_via_verl, f"sp_diffusers.FSDPEngine via verl EngineRegistry (model_type={MODEL_TYPE})"
 
 
-def _train(args: argparse.Namespace) -> int:
-    import logging
-    import os
-    import warnings
-
-    from diffusers.utils import logging as dlogging
-
+def _config(args: argparse.Namespace):
     from .flowgrpo.config import load_config
-    from .flowgrpo.trainer import FlowGRPOTrainer
     from .integrations.verl_overrides import translate_overrides
 
     plan = translate_overrides(list(args.overrides or []))  # verl-style hydra overrides (and our keys)
@@ -58,11 +68,29 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"train.out_dir={args.out_dir}")
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
-    config = load_config(args.config, overrides)
+    return plan, load_config(args.config, overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    import yaml
+    from diffusers.utils import logging as dlogging
+
+    plan, config = _config(args)
+    if args.print_config:
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+    if args.check:
+        print(f"config OK: {args.config or '(defaults)'} -> {config.train.out_dir}")
+        return 0
     plan.check_launch(int(os.environ.get("WORLD_SIZE", "1")))
     plan.check_rollout(config)
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"diffusers\..*")
+    from .flowgrpo.trainer import FlowGRPOTrainer
+
     factory, engine_name = _engine_factory(args.engine, bool(plan.verl))
     trainer = FlowGRPOTrainer(config, engine_factory=factory)
     if trainer.rank == 0:
@@ -72,10 +100,11 @@ def _train(args: argparse.Namespace) -> int:
             flush=True,
         )
     history = trainer.run()
-    if trainer.rank == 0 and history:
-        n = min(5, len(history))
-        first = sum(m["reward_mean"] for m in history[:n]) / n
-        last = sum(m["reward_mean"] for m in history[-n:]) / n
+    trained = [m for m in history if m["iteration"] > trainer.start_iteration]
+    if trainer.rank == 0 and trained:
+        n = min(5, len(trained))
+        first = sum(m["reward_mean"] for m in trained[:n]) / n
+        last = sum(m["reward_mean"] for m in trained[-n:]) / n
         print(
             f"reward (mean of {n} iterations): first {first:+.4f} -> last {last:+.4f}; outputs in {config.train.out_dir}"
         )
@@ -89,22 +118,36 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo
+    from . import __version__, demo
 
-    parser = argparse.ArgumentParser(prog="sp-diffusers", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="sp-diffusers", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"sp-diffusers {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser(
-        "train", help="FlowGRPO training (torchrun --nproc_per_node N -m sp_diffusers.cli train ...)"
+        "train",
+        help="FlowGRPO training under FSDP2 + Ulysses SP (run under torchrun)",
+        description="FlowGRPO training. Config keys: docs/training.md (or --print-config).",
     )
     p_train.add_argument(
-        "--config", default=None, help="YAML config (examples/configs/*.yaml); defaults when omitted"
+        "--config", default=None, help="YAML config (examples/configs/*.yaml); the defaults when omitted"
     )
     p_train.add_argument(
-        "--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable"
+        "--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable)"
     )
-    p_train.add_argument("--pretrained", default=None, help="transformer folder written by save_pretrained")
-    p_train.add_argument("--out-dir", default=None)
-    p_train.add_argument("--iterations", type=int, default=None)
+    p_train.add_argument(
+        "--pretrained",
+        default=None,
+        help="a transformer folder written by save_pretrained (model.pretrained)",
+    )
+    p_train.add_argument(
+        "--out-dir", default=None, help="where metrics, the plot and checkpoints go (train.out_dir)"
+    )
+    p_train.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="train until this iteration (train.iterations); a rerun continues from the newest checkpoint",
+    )
     p_train.add_argument(
         "--engine",
         choices=("auto", "verl", "native"),
@@ -112,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="build the engine through verl's EngineRegistry (auto: when verl keys are given and verl is "
         "installed) or directly",
     )
+    p_train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config as YAML and exit (no training)"
+    )
+    p_train.add_argument("--check", action="store_true", help="validate the config and exit (no training)")
     p_train.add_argument(
         "overrides",
         nargs="*",
@@ -129,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    """The errors that mean "your command or config is wrong": shown as one block, without a traceback."""
+    from .compat import UnsupportedDiffusersError
+    from .engine.checkpoint import CheckpointError
+    from .flowgrpo.config import ConfigError
+    from .mesh import MeshError
+
+    return (ConfigError, MeshError, CheckpointError, UnsupportedDiffusersError, FileNotFoundError, ValueError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -138,7 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         extra = [x for x in extra if x not in args.overrides]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _usage_errors() as err:
+        if os.environ.get("SP_DIFFUSERS_TRACEBACK"):
+            raise
+        if _rank() == 0:
+            print(
+                f"sp-diffusers {args.command}: error: {err}\n(SP_DIFFUSERS_TRACEBACK=1 shows where it came from)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ FLOORS = {
     "sp_diffusers.registry": 2,
     "sp_diffusers.compat": 2,
     "sp_diffusers.mesh": 2,
+    "sp_diffusers.gradients": 2,
     "sp_diffusers.patches": 3,
     "sp_diffusers.plans": 3,
     "sp_diffusers.installer": 4,

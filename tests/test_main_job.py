@@ -25,7 +25,7 @@ def _check_run(out: Path, iterations: int) -> list[dict]:
     for m in lines:
         for key in ("reward_mean", "loss", "ppo_kl", "clipfrac", "grad_norm", "lr"):
             assert key in m and m[key] == m[key], key  # present and not NaN
-    assert (out / "reward_loss.png").stat().st_size > 10_000
+    assert (out / "metrics.png").stat().st_size > 10_000
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step-{iterations:08d}" and (out / "checkpoints" / latest / "meta.json").exists()
     return lines

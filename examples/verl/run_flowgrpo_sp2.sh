@@ -6,7 +6,7 @@
 # (e.g. --iterations 4, --out-dir DIR, more KEY=VALUE overrides). GPU variant: run_flowgrpo_sp2_gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-bash scripts/setup.sh >/dev/null
+bash scripts/setup.sh verl
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export VERL_PLATFORM=${VERL_PLATFORM:-cpu}
 NNODES=1

@@ -59,7 +59,7 @@ class RunLog:
         self.path.write_text("".join(line + "\n" for line in kept))
         self.history = [json.loads(line) for line in kept]
 
-    def close(self, plot: bool) -> None:
+    def close(self, plot: bool, title: str = "") -> None:
         if self.rank != 0:
             return
         if self._tb is not None:
@@ -67,4 +67,4 @@ class RunLog:
         if plot:
             from .plot import plot_metrics
 
-            plot_metrics(self.history, self.out_dir / "reward_loss.png")
+            plot_metrics(self.history, self.out_dir / "metrics.png", title or self.out_dir.name)

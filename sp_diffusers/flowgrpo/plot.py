@@ -1,13 +1,27 @@
-"""Reward and loss curves of a run, as a PNG (matplotlib, headless)."""
+"""What a person watching an RL run looks at, as one PNG (matplotlib, headless).
+
+Panels: the reward (mean and +- std per iteration, with a moving mean), the clip fraction, the gradient norm,
+the KL to the reference policy, and the learning rate. The GRPO loss is left out on purpose: on-policy it is
+~0 by construction (the ratio is 1), so its curve says nothing; ppo_kl likewise.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+__all__ = ["plot_metrics"]
 
-def plot_metrics(history: list[dict[str, Any]], path: str | Path) -> Path | None:
-    """Reward mean (± std), loss, ppo_kl and grad norm per iteration; None when matplotlib is missing."""
+
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
+def plot_metrics(history: list[dict[str, Any]], path: str | Path, title: str = "") -> Path | None:
+    """Write the run's panels to ``path``; None when there is no history or matplotlib is missing."""
     if not history:
         return None
     try:
@@ -18,34 +32,47 @@ def plot_metrics(history: list[dict[str, Any]], path: str | Path) -> Path | None
     except ImportError:
         return None
     its = [m["iteration"] for m in history]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    mean = [m["reward_mean"] for m in history]
-    std = [m.get("reward_std", 0.0) for m in history]
-    axes[0].plot(its, mean, color="tab:green", label="reward mean")
-    axes[0].fill_between(
+
+    def series(key: str) -> list[float]:
+        return [float(m.get(key, float("nan"))) for m in history]
+
+    fig, axes = plt.subplots(1, 5, figsize=(20, 3.8))
+    reward, spread = series("reward_mean"), series("reward_std")
+    ax = axes[0]
+    ax.plot(its, reward, color="tab:green", lw=1, label="mean")
+    ax.fill_between(
         its,
-        [a - b for a, b in zip(mean, std, strict=True)],
-        [a + b for a, b in zip(mean, std, strict=True)],
+        [a - b for a, b in zip(reward, spread, strict=True)],
+        [a + b for a, b in zip(reward, spread, strict=True)],
         color="tab:green",
         alpha=0.15,
-        label="± std",
+        label="± std over samples",
     )
-    window = max(1, len(mean) // 10)
-    smooth = [
-        sum(mean[max(0, i - window + 1) : i + 1]) / len(mean[max(0, i - window + 1) : i + 1])
-        for i in range(len(mean))
+    window = max(1, len(reward) // 10)
+    ax.plot(its, _moving_mean(reward, window), color="black", lw=1.5, label=f"moving mean ({window})")
+    ax.set(title="reward", xlabel="iteration", ylabel="reward")
+    ax.legend(fontsize=8)
+    panels = [
+        ("clipfrac", "clip fraction", "share of ratios clipped", "tab:orange"),
+        ("grad_norm", "gradient norm", "L2 norm (before clipping)", "tab:red"),
+        ("kl", "KL to the reference policy", "KL (adapters-off model)", "tab:purple"),
+        ("lr", "learning rate", "lr", "tab:blue"),
     ]
-    axes[0].plot(its, smooth, color="black", lw=1.5, label=f"moving mean ({window})")
-    axes[0].set(title="reward", xlabel="iteration")
-    axes[0].legend(fontsize=8)
-    axes[1].plot(its, [m.get("loss", float("nan")) for m in history], color="tab:blue")
-    axes[1].set(title="FlowGRPO loss (unscaled)", xlabel="iteration")
-    axes[2].plot(its, [m.get("grad_norm", float("nan")) for m in history], color="tab:red", label="grad norm")
-    ax2 = axes[2].twinx()
-    ax2.plot(
-        its, [m.get("ppo_kl", float("nan")) for m in history], color="tab:purple", lw=0.8, label="ppo_kl"
-    )
-    axes[2].set(title="grad norm (red) / ppo_kl (purple)", xlabel="iteration")
+    for ax, (key, name, ylabel, color) in zip(axes[1:], panels, strict=True):
+        values = series(key)
+        ax.plot(its, values, color=color)
+        ax.set(title=name, xlabel="iteration", ylabel=ylabel)
+        if key == "kl" and all(v == 0.0 for v in values):
+            ax.text(
+                0.5,
+                0.5,
+                "no KL term\n(flowgrpo.kl_coef = 0)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -3,7 +3,7 @@
 Data parallel ranks draw different prompts; the ranks of one SP group draw the same ones (every random
 choice is seeded by (seed, iteration, dp rank), never by the global rank) and the engine broadcasts the
 batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and TensorBoard when
-installed), ``reward_loss.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
+installed), ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
 restarted run resumes from the newest one.
 
 Building the parts from the config: ``build.py``; the policy update: ``update.py``; metrics: ``metrics.py``.
@@ -226,6 +226,16 @@ class FlowGRPOTrainer:
         if dist.is_initialized():
             dist.barrier()
         self._resume()
+        if self.start_iteration >= c.iterations:
+            if self.rank == 0:
+                print(
+                    f"nothing to train: the checkpoint in {self.ckpt_dir} is at iteration {self.start_iteration}, "
+                    f"and train.iterations={c.iterations}; fix: pass --iterations N with N > {self.start_iteration} "
+                    "to continue this run, or --out-dir DIR (or train.resume=false) to start a new one",
+                    flush=True,
+                )
+            self.log.close(plot=False)
+            return self.history
         bar = None
         if self.rank == 0 and c.progress:
             from tqdm import tqdm
@@ -242,10 +252,11 @@ class FlowGRPOTrainer:
             self.log.append(metrics)
             if bar is not None:
                 bar.update(1)
+                # what moves in an on-policy run (its loss is ~0 and ppo_kl 0 by construction)
                 bar.set_postfix(
                     reward=f"{metrics['reward_mean']:+.3f}",
-                    loss=f"{metrics.get('loss', 0.0):+.4f}",
-                    kl=f"{metrics.get('ppo_kl', 0.0):.1e}",
+                    clip=f"{metrics.get('clipfrac', 0.0):.2f}",
+                    grad=f"{metrics.get('grad_norm', 0.0):.2f}",
                     s_it=f"{metrics['seconds']:.1f}",
                 )
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
@@ -254,5 +265,10 @@ class FlowGRPOTrainer:
             bar.close()
         if self.start_iteration < c.iterations:
             self.save(c.iterations)
-        self.log.close(plot=c.plot)
+        layout = self.engine.layout
+        self.log.close(
+            plot=c.plot,
+            title=f"{self.out_dir.name}: {self.config.model.kind}, dp {layout.dp} x ring {layout.ring} x "
+            f"ulysses {layout.ulysses}, {len(self.history)} iterations",
+        )
         return self.history
