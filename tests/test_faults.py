@@ -111,3 +111,41 @@ def test_non_finite_loss_skips_everywhere_and_divergent_parameters_are_refused()
         assert r["params_unchanged"] and r["global_step"] == 0
         assert r["next_step_taken"]
         assert r["divergent_parameters"] is not None and "parameters" in r["divergent_parameters"]
+
+
+def test_a_failed_load_leaves_the_engine_as_it_was(tmp_path):
+    """Corrupt shards fail inside DCP's load, a missing trainer.pt before it: either way the parameters, the
+    optimizer state and the step stay exactly as they were (the load goes into copies first)."""
+    from sp_diffusers.engine import CheckpointError
+
+    engine = _engine()
+    good = engine.save_checkpoint(tmp_path / "a", step=1)
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.grad = torch.ones_like(p)
+    engine.optimizer_step()
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in engine.optimizer.state.items()}
+    step = engine.global_step
+
+    corrupt = tmp_path / "b" / good.name
+    import shutil
+
+    shutil.copytree(good, corrupt)
+    for f in corrupt.glob("*.distcp"):
+        f.write_bytes(b"garbage")
+    incomplete = tmp_path / "c" / good.name
+    shutil.copytree(good, incomplete)
+    (incomplete / "trainer.pt").unlink()
+    for path, words in ((corrupt, "corrupt or incomplete"), (incomplete, "no trainer.pt")):
+        with pytest.raises(CheckpointError, match=words):
+            engine.load_checkpoint(path)
+        assert engine.global_step == step
+        for n, p in engine.model.named_parameters():
+            assert torch.equal(p, before[n]), n
+        assert {id(p) for p in engine.optimizer.state} == set(moments)
+        for p, s in engine.optimizer.state.items():
+            for k, v in s.items():
+                assert torch.equal(v, moments[id(p)][k]), k
+    engine.load_checkpoint(good)  # and a good one still loads into the same engine
+    assert engine.global_step == 0

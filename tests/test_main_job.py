@@ -48,6 +48,11 @@ def test_readme_main_command_shortened(tmp_path):
     _check_run(out, 4)
     assert "reward (mean of 4 iterations): first " in proc.stdout  # 4 iterations ran, not 5
     assert (out / "checkpoints" / "step-00000002" / "meta.json").exists()
+    # the same command again: nothing left to train, and it says so and how to continue
+    again = _run(["bash", "examples/run_flowgrpo_sp2.sh", "--iterations", "4", "--out-dir", str(out)])
+    assert "nothing to train" in again.stdout and "--iterations N with N > 4" in again.stdout, again.stdout
+    assert "reward (mean" not in again.stdout
+    _check_run(out, 4)
 
 
 def test_pretrained_path_loads_a_saved_transformer(tmp_path):

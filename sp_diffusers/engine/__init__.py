@@ -4,11 +4,12 @@ atomic DCP checkpoints. See ``FSDPEngine``.
     fsdp_engine.py   build (mesh, LoRA, backend, FSDP2, AdamW), forward/backward, optimizer step
     settings.py      EngineSettings / OptimSettings / LoraSettings: what an engine is built from
     batch.py         SP-aligned batches: ragged text padded to the degree, broadcast in the SP group
-    checkpoint.py    atomic, resumable DCP checkpoints: save, load, the layout/model checks
+    checkpoint.py    atomic, resumable DCP checkpoints: save, load (any layout), the model checks
+    checkpoint_files.py  the on-disk format: folders, meta.json, latest, RNG files
     consistency.py   SP peers must see the same data: checksums compared across the group
 """
 
-from .checkpoint import CheckpointError
+from .checkpoint_files import CheckpointError
 from .consistency import SPDivergenceError
 from .fsdp_engine import FSDPEngine
 from .settings import EngineSettings, LoraSettings, OptimSettings

@@ -1,146 +1,72 @@
 """Atomic, resumable checkpoints of an ``FSDPEngine`` with ``torch.distributed.checkpoint`` (DCP).
 
-Layout of a checkpoint root::
+The folder layout and ``meta.json`` are in ``checkpoint_files.py``. What this module guarantees:
 
-    root/
-      step-00000010/          complete checkpoints only (renamed into place after every rank wrote)
-        .metadata, __0_0.distcp, ...   DCP shards: model + optimizer
-        meta.json             step, layout (dp, ring, ulysses), model class and config fingerprint
-        trainer.pt            LR scheduler and extra state (rank 0)
-        rng-rank00000.pt ...  per-rank RNG state
-      latest                  name of the newest complete checkpoint (replaced atomically)
-      .tmp-step-00000010/     a checkpoint being written; never read, removed by the next save
-
-A crash at any point leaves the previous checkpoint and ``latest`` untouched: a partial checkpoint is
-only ever in a ``.tmp-*`` folder, and ``os.replace`` of the folder and of ``latest`` is atomic on POSIX.
+- **Atomic.** A checkpoint is written into ``.tmp-step-N`` and renamed into place after every rank wrote;
+  ``latest`` is replaced atomically. A crash leaves the previous checkpoint and ``latest`` untouched.
+- **Fails together.** A rank that cannot write (read-only root, full disk) does not leave its peers waiting:
+  after each phase every rank learns whether any rank failed and all raise the same ``CheckpointError``; the
+  partial folder is removed.
+- **Transactional load.** Everything is checked (format, model, LoRA, every tensor's shape, the trainer
+  state) before anything changes, and the tensors load into copies first: a failed load leaves the engine
+  as it was.
+- **Any layout.** FSDP2 + DCP reshard: a checkpoint written under one ``(dp, ring, ulysses)`` loads under any
+  other that fits the world (2 -> 4 -> 1 ranks). Per-rank RNG states load where the rank existed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from ..model_kinds import class_name
+from .checkpoint_files import (
+    LATEST,
+    META,
+    TMP_PREFIX,
+    CheckpointError,
+    CheckpointMeta,
+    agree,
+    barrier,
+    checkpoint_dir_for,
+    find_latest,
+    lora_fingerprint,
+    model_fingerprint,
+    read_meta,
+    remove_stale_tmp,
+    rng_state,
+    set_rng_state,
+    write_latest,
+    write_meta,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .fsdp_engine import FSDPEngine
 
-META = "meta.json"
-LATEST = "latest"
-TMP_PREFIX = ".tmp-"
+logger = logging.getLogger(__name__)
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointMeta",
-    "checkpoint_dir_for",
-    "find_latest",
-    "load_checkpoint",
-    "read_meta",
-    "save_checkpoint",
-    "write_latest",
-]
+__all__ = ["CheckpointError", "engine_meta", "find_latest", "load_checkpoint", "save_checkpoint"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded here; the message names what differs and the fix."""
+def _dcp_exception() -> type[BaseException]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException  # a BaseException, not an Exception: it must be named to be caught
 
 
-@dataclass(frozen=True)
-class CheckpointMeta:
-    step: int
-    dp: int
-    ring: int
-    ulysses: int
-    model_class: str
-    model_fingerprint: str
-    lora: bool
-    format: int = 1
-
-
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of the model's config (or parameter names and shapes when it has none)."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "items"):
-        text = json.dumps(
-            {k: v for k, v in dict(config).items() if not k.startswith("_")}, sort_keys=True, default=str
-        )
-    else:
-        text = json.dumps([(n, list(p.shape)) for n, p in model.named_parameters()])
-    return hashlib.sha1(text.encode()).hexdigest()[:16]
-
-
-def checkpoint_dir_for(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def write_latest(root: Path, name: str) -> None:
-    tmp = root / f"{TMP_PREFIX}{LATEST}"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, root / LATEST)
-
-
-def find_latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under ``root`` (via ``latest``), or None when there is none."""
-    root = Path(root)
-    pointer = root / LATEST
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / META).exists():
-        raise CheckpointError(
-            f"{pointer} names {path.name}, which is not a complete checkpoint (no {META}); "
-            f"fix: point {pointer} at an existing step-* folder or delete it to start fresh"
-        )
-    return path
-
-
-def read_meta(path: Path) -> CheckpointMeta:
+def _failure(fn: Any) -> str | None:
+    """Run ``fn``; its error as text (None when it worked). KeyboardInterrupt and friends still propagate."""
     try:
-        data = json.loads((path / META).read_text())
-        return CheckpointMeta(**data)
-    except (OSError, ValueError, TypeError) as err:
-        raise CheckpointError(
-            f"{path / META} is unreadable or corrupt ({err}); fix: load an earlier step"
-        ) from err
-
-
-def write_meta(path: Path, meta: CheckpointMeta) -> None:
-    (path / META).write_text(json.dumps(asdict(meta), indent=2))
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def remove_stale_tmp(root: Path) -> None:
-    """Leftovers of an interrupted save (rank 0 only)."""
-    for p in root.glob(f"{TMP_PREFIX}step-*"):
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-# ------------------------------------------------------------------------------------------ engine state
+        fn()
+    except (Exception, _dcp_exception()) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def _state(engine: FSDPEngine) -> dict[str, Any]:
@@ -160,6 +86,7 @@ def engine_meta(engine: FSDPEngine, step: int) -> CheckpointMeta:
         model_class=class_name(engine.model),
         model_fingerprint=model_fingerprint(engine.model),
         lora=engine.lora is not None,
+        lora_fingerprint=lora_fingerprint(engine.lora),
     )
 
 
@@ -174,31 +101,37 @@ def save_checkpoint(
     root = Path(root)
     final = checkpoint_dir_for(root, step)
     tmp = root / f"{TMP_PREFIX}{final.name}"
-    if rank == 0:
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(root)
         tmp.mkdir(parents=True)
-    barrier()
-    dcp.save(_state(engine), checkpoint_id=str(tmp), no_dist=world == 1)
-    torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
-    if rank == 0:
-        torch.save(
-            {
-                "lr_scheduler": engine.lr_scheduler.state_dict(),
-                "global_step": engine.global_step,
-                "extra": extra or {},
-            },
-            tmp / "trainer.pt",
-        )
-    barrier()
-    if rank == 0:
+
+    agree(_failure(prepare) if rank == 0 else None, f"preparing checkpoint folder {tmp}")
+
+    def write() -> None:
+        dcp.save(_state(engine), checkpoint_id=str(tmp), no_dist=world == 1)
+        torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
+        if rank == 0:
+            trainer = {"lr_scheduler": engine.lr_scheduler.state_dict(), "global_step": engine.global_step}
+            torch.save({**trainer, "extra": extra or {}}, tmp / "trainer.pt")
+
+    try:
+        agree(_failure(write), f"writing checkpoint {tmp}")
+    except CheckpointError:
+        if rank == 0:  # a full disk must not keep the partial folder too
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def publish() -> None:
         # meta.json last: its presence marks a complete checkpoint, then the rename publishes it
         write_meta(tmp, engine_meta(engine, step))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_latest(root, final.name)
-    barrier()
+
+    agree(_failure(publish) if rank == 0 else None, f"publishing checkpoint {final}")
     return final
 
 
@@ -206,77 +139,131 @@ def _layout_text(m: CheckpointMeta) -> str:
     return f"dp={m.dp} x ring={m.ring} x ulysses={m.ulysses}"
 
 
-def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, Any]:
-    """Load ``path`` (a step folder, or a root whose ``latest`` names one) into ``engine``; returns ``extra``.
+def _check(engine: FSDPEngine, path: Path, meta: CheckpointMeta, stored: dict) -> str | None:
+    """Why ``path`` cannot load into ``engine`` (None: it can), from metadata only: nothing changes."""
+    mine = engine_meta(engine, meta.step)
+    for name in ("model_class", "model_fingerprint", "lora"):
+        theirs, ours = getattr(meta, name), getattr(mine, name)
+        if theirs != ours:
+            return (
+                f"checkpoint {path} has {name}={theirs!r} but this run has {name}={ours!r}; fix: resume with "
+                "the same model and LoRA settings it was written with (any layout works)"
+            )
+    if meta.format >= 2 and meta.lora_fingerprint != mine.lora_fingerprint:
+        return (
+            f"checkpoint {path} was written with other LoRA settings (rank, alpha, target modules or init: "
+            f"fingerprint {meta.lora_fingerprint} vs {mine.lora_fingerprint} here, LoRA {engine.lora}); fix: "
+            "resume with the LoRA settings it was written with"
+        )
+    if not (path / "trainer.pt").exists():
+        return f"checkpoint {path} has no trainer.pt (LR schedule, step); it is incomplete: fix: load an earlier step"
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    Refuses a checkpoint from another model, another SP/DP layout or with/without LoRA, naming the
-    difference; the model, optimizer, LR scheduler, step and each rank's RNG come back exactly.
-    """
+    for key, value in get_model_state_dict(engine.model).items():
+        entry = stored.get(f"model.{key}")
+        if entry is None:
+            return f"checkpoint {path} lacks model tensor {key}; it was written for another model or is incomplete"
+        if isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(value.shape):
+            return (
+                f"checkpoint {path} stores {key} with shape {tuple(entry.size)}, this model has "
+                f"{tuple(value.shape)}; fix: resume with the model (and LoRA rank) it was written with"
+            )
+    return None
+
+
+def _copy(state: Any) -> Any:
+    """A deep copy of a (nested) state dict's tensors: DCP loads into these, not into the live engine."""
+    if torch.is_tensor(state):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _copy(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy(v) for v in state]
+    return state
+
+
+def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, Any]:
+    """Load ``path`` (a step folder, or a root whose ``latest`` names one) into ``engine``; returns ``extra``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     path = Path(path)
-    if not (path / META).exists():
+    located: list[Path] = []
+
+    def locate() -> None:
+        if (path / META).exists():
+            located.append(path)
+            return
         latest = find_latest(path)
         if latest is None:
             raise CheckpointError(f"no checkpoint at {path} (no {META} and no '{LATEST}')")
-        path = latest
-    meta = read_meta(path)
-    mine = engine_meta(engine, meta.step)
-    if _layout_text(meta) != _layout_text(mine):
-        raise CheckpointError(
-            f"checkpoint {path} was written with layout {_layout_text(meta)} but this run has "
-            f"{_layout_text(mine)}; fix: resume with the layout (process count and "
-            "ulysses_sequence_parallel_size) it was written with"
-        )
-    for field_name in ("model_class", "model_fingerprint", "lora"):
-        theirs, ours = getattr(meta, field_name), getattr(mine, field_name)
-        if theirs != ours:
-            raise CheckpointError(
-                f"checkpoint {path} has {field_name}={theirs!r} but this run has {field_name}={ours!r}; fix: "
-                "resume with the same model and layout the checkpoint was written with"
-            )
-    try:
-        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
-    # Loading replaces the optimizer state: start from none, so every parameter gets a placeholder to load
-    # into (an engine that already stepped has no state for parameters that never had a gradient).
+        located.append(latest)
+
+    error = _failure(locate)
+    agree(error.split(": ", 1)[-1] if error else None, f"finding a checkpoint at {path}")
+    path = located[0]
+    found: dict[str, Any] = {}
+
+    def inspect() -> None:
+        found["meta"] = meta = read_meta(path)
+        try:
+            found["stored"] = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except (Exception, _dcp_exception()) as err:
+            raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
+        problem = _check(engine, path, meta, found["stored"])
+        if problem:
+            raise CheckpointError(problem)
+        found["trainer"] = torch.load(path / "trainer.pt", weights_only=False)
+
+    error = _failure(inspect)
+    agree(error.split(": ", 1)[-1] if error else None, f"checking checkpoint {path}")
+    meta, stored, trainer = found["meta"], found["stored"], found["trainer"]
+    if _layout_text(meta) != _layout_text(engine_meta(engine, meta.step)):
+        logger.info("resharding checkpoint %s from %s to this run's layout", path, _layout_text(meta))
+
+    # Loading replaces the optimizer state: from none, so that every parameter gets a placeholder to load into
+    # (an engine that already stepped has no state for parameters that never had a gradient). The old state is
+    # kept to put back if anything below fails.
+    saved_optimizer_state = engine.optimizer.state
     engine.zero_grad()
-    engine.optimizer.state.clear()
-    state = _state(engine)
-    missing = [k for k in state["model"] if f"model.{k}" not in stored]
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {path} lacks {len(missing)} model tensors (e.g. {missing[:3]}); it was written for "
-            "another model or is incomplete"
-        )
-    # A parameter that never had a gradient has no AdamW state in the checkpoint; the fresh optimizer
-    # got a placeholder state from get_state_dict, which is dropped again so the optimizer is as saved.
-    stateless = {
-        fqn for fqn in state["optimizer"].get("state", {}) if f"optimizer.state.{fqn}.step" not in stored
-    }
+    engine.optimizer.state = defaultdict(dict)  # what torch.optim.Optimizer starts from
+    state: dict[str, Any] = {}
+
+    def load() -> None:
+        live = _state(engine)
+        # A parameter that never had a gradient has no AdamW state in the checkpoint; its placeholder state is
+        # dropped after loading so the optimizer is as saved.
+        state["stateless"] = {
+            fqn for fqn in live["optimizer"].get("state", {}) if f"optimizer.state.{fqn}.step" not in stored
+        }
+        state["copy"] = _copy(live)
+        try:
+            dcp.load(
+                state["copy"],
+                checkpoint_id=str(path),
+                planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+                no_dist=engine.layout.world == 1,
+            )
+        except (Exception, _dcp_exception()) as err:
+            raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
+
     try:
-        dcp.load(
-            state,
-            checkpoint_id=str(path),
-            planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-            no_dist=engine.layout.world == 1,
-        )
-    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
+        agree(_failure(load), f"loading checkpoint {path}")
+    except CheckpointError:
+        engine.optimizer.state = saved_optimizer_state
+        raise
+    loaded = state["copy"]
     set_state_dict(
         engine.model,
         engine.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optimizer"],
         options=StateDictOptions(),
     )
     params = dict(engine.model.named_parameters())
-    for fqn in stateless:
+    for fqn in state["stateless"]:
         engine.optimizer.state.pop(params[fqn], None)
-    trainer = torch.load(path / "trainer.pt", weights_only=False)
     engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     engine.global_step = int(trainer["global_step"])
     rng_file = path / f"rng-rank{engine.layout.rank:05d}.pt"

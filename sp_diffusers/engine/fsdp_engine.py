@@ -350,7 +350,8 @@ class FSDPEngine:
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Load ``path`` (a step folder, or a root whose ``latest`` names one); returns ``extra``.
 
-        Refuses a checkpoint from another model, another SP/DP layout or with/without LoRA, naming the
-        difference; the model, optimizer, LR scheduler, step and each rank's RNG come back exactly.
+        Any ``(dp, ring, ulysses)`` layout loads (DCP reshards); a checkpoint of another model or other LoRA
+        settings is refused, naming the difference, before anything changes. The model, optimizer, LR
+        scheduler, step and each rank's RNG come back exactly.
         """
         return ckpt.load_checkpoint(self, path)

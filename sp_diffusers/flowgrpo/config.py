@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "load_config"]
+__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "load_config", "validate"]
 
 
 class ConfigError(ValueError):
@@ -161,13 +162,82 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     config = TrainConfig()
     if path is not None:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"--config {path}: no such file; fix: pass a YAML file (examples/configs/*.yaml)"
+            )
+        data = yaml.safe_load(Path(path).read_text())
+        if data is None:
+            # an empty file silently meaning "all defaults" is how a wrong path or a truncated file hides
+            raise ConfigError(
+                f"{path} is empty; fix: give it at least one section, or omit --config to run the defaults"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         _merge(config, data, "")
     apply_overrides(config, overrides or [])
+    validate(config)
     return config
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+def validate(config: TrainConfig) -> None:
+    """Values that type-check but cannot train (each error names the key, the value and the rule)."""
+    g, o, t = config.flowgrpo, config.optim, config.train
+    finite = math.isfinite
+    _require(t.iterations >= 1, "train.iterations", t.iterations, "train at least 1 iteration")
+    _require(
+        t.save_every >= 0, "train.save_every", t.save_every, "0 (only at the end) or a positive interval"
+    )
+    for key, value in (
+        ("flowgrpo.micro_batch_size", g.micro_batch_size),
+        ("flowgrpo.mini_batches", g.mini_batches),
+        ("flowgrpo.inner_epochs", g.inner_epochs),
+        ("flowgrpo.prompts_per_rank", g.prompts_per_rank),
+        ("flowgrpo.window_size", g.window_size),
+    ):
+        _require(value >= 1, key, value, "must be >= 1")
+    _require(
+        g.group_size >= 2,
+        "flowgrpo.group_size",
+        g.group_size,
+        "must be >= 2: a group of one sample has no relative advantage (every advantage is 0)",
+    )
+    _require(g.num_steps >= 2, "flowgrpo.num_steps", g.num_steps, "must be >= 2 denoising steps")
+    _require(
+        g.window_size <= g.num_steps,
+        "flowgrpo.window_size",
+        g.window_size,
+        f"must be <= flowgrpo.num_steps={g.num_steps}",
+    )
+    for key, value in (
+        ("optim.lr", o.lr),
+        ("optim.eps", o.eps),
+        ("flowgrpo.noise_level", g.noise_level),
+        ("flowgrpo.clip_range", g.clip_range),
+    ):
+        _require(finite(value) and value > 0, key, value, "must be a finite number > 0")
+    for key, value in (
+        ("optim.weight_decay", o.weight_decay),
+        ("flowgrpo.kl_coef", g.kl_coef),
+        ("flowgrpo.adv_clip_max", g.adv_clip_max),
+    ):
+        _require(finite(value) and value >= 0, key, value, "must be a finite number >= 0")
+    # NaN compares false with everything: a NaN max norm would silently turn clipping off
+    _require(
+        finite(o.max_grad_norm), "optim.max_grad_norm", o.max_grad_norm, "a finite number (<= 0: no clipping)"
+    )
+    _require(
+        finite(g.cfg_scale) and g.cfg_scale >= 1.0,
+        "flowgrpo.cfg_scale",
+        g.cfg_scale,
+        "must be >= 1 (1: no CFG)",
+    )
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> None:

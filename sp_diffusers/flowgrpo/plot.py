@@ -12,6 +12,12 @@ from typing import Any
 
 __all__ = ["plot_metrics"]
 
+# why a panel is flat zero, said on the panel
+_FLAT_NOTES = {
+    "kl": "no KL term\n(flowgrpo.kl_coef = 0)",
+    "clipfrac": "nothing clipped: one optimizer step\nper rollout is on-policy (ratio 1)",
+}
+
 
 def _moving_mean(values: list[float], window: int) -> list[float]:
     return [
@@ -62,15 +68,8 @@ def plot_metrics(history: list[dict[str, Any]], path: str | Path, title: str = "
         values = series(key)
         ax.plot(its, values, color=color)
         ax.set(title=name, xlabel="iteration", ylabel=ylabel)
-        if key == "kl" and all(v == 0.0 for v in values):
-            ax.text(
-                0.5,
-                0.5,
-                "no KL term\n(flowgrpo.kl_coef = 0)",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-            )
+        if key in _FLAT_NOTES and all(v == 0.0 for v in values):
+            ax.text(0.5, 0.5, _FLAT_NOTES[key], ha="center", va="center", transform=ax.transAxes)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

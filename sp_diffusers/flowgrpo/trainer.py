@@ -24,7 +24,7 @@ from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
 from .advantages import group_advantages
 from .build import build_model, build_text_encoder, check_run, engine_settings, run_sigmas
-from .config import TrainConfig
+from .config import TrainConfig, validate
 from .metrics import RunLog
 from .models import build_adapter
 from .rewards import Reward, build_reward
@@ -56,6 +56,7 @@ class FlowGRPOTrainer:
     ) -> None:
         """``engine_factory(model, settings)`` builds the engine (default ``FSDPEngine``; the verl integration
         passes one that builds it through verl's ``EngineRegistry``)."""
+        validate(config)  # a config built in code gets the checks load_config gives a YAML one
         init_distributed()
         self.config = c = config
         self.rank = dist.get_rank() if dist.is_initialized() else 0

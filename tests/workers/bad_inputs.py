@@ -91,7 +91,16 @@ def bad_inputs(rank: int, world: int) -> dict:
     root = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     engine.save_checkpoint(root[0], step=1)
-    other = sp_diffusers.FSDPEngine(tiny_model("qwenimage", num_layers=1), ulysses_sequence_parallel_size=4)
-    out["engine:checkpoint_other_layout"] = _catch(lambda: other.load_checkpoint(root[0]))
+    lora = sp_diffusers.LoraSettings(rank=4, alpha=4.0)
+    adapted = sp_diffusers.FSDPEngine(
+        tiny_model("qwenimage", num_layers=1), ulysses_sequence_parallel_size=4, lora=lora
+    )
+    adapted.save_checkpoint(root[0], step=2)
+    other_alpha = sp_diffusers.FSDPEngine(
+        tiny_model("qwenimage", num_layers=1),
+        ulysses_sequence_parallel_size=4,
+        lora=sp_diffusers.LoraSettings(rank=4, alpha=16.0),
+    )
+    out["engine:checkpoint_other_lora_alpha"] = _catch(lambda: other_alpha.load_checkpoint(root[0]))
     dist.barrier()
     return out
