@@ -7,6 +7,10 @@ and backward is intercepted (``torch.distributed`` functions and diffusers' func
 its bytes that leave the rank are summed: for an all-to-all that is ``(P-1)/P`` of the buffer, for an
 all-gather ``(P-1)/P`` of the output. The Ulysses minimum per direction is ``4 B S H D e (P-1) / P^2``
 (Q, K, V in and the output back, each ``B S H D e / P`` per rank, ``(P-1)/P`` of it remote).
+
+``ulysses_sdpa``'s per-call handshake (one all-gather of a few int64 per rank that tells every rank every
+rank's lengths and refuses disagreeing inputs) is counted apart as ``*_handshake_*``: it is metadata whose
+size does not grow with S, H or D.
 """
 
 from __future__ import annotations
@@ -28,18 +32,26 @@ class _Counter:
         self.world = world
         self.bytes = 0
         self.calls = 0
+        self.handshake_bytes = 0
+        self.handshake_calls = 0
+        self.in_handshake = False
 
     def add(self, t: torch.Tensor, kind: str, group=None) -> None:
         """Bytes of ``t`` that leave this rank; the fraction depends on the collective's own group size."""
         n = t.numel() * t.element_size()
         p = dist.get_world_size(group) if group is not None else self.world
         if kind in ("a2a", "gather_out"):
-            self.bytes += n * (p - 1) // p
+            sent = n * (p - 1) // p
         elif kind == "all_reduce":  # ring all-reduce: reduce-scatter + all-gather
-            self.bytes += 2 * n * (p - 1) // p
+            sent = 2 * n * (p - 1) // p
         else:  # gather_in: my tensor goes to every peer
-            self.bytes += n * (p - 1)
-        self.calls += 1
+            sent = n * (p - 1)
+        if self.in_handshake:
+            self.handshake_bytes += sent
+            self.handshake_calls += 1
+        else:
+            self.bytes += sent
+            self.calls += 1
 
 
 def _group(args: tuple, kwargs: dict, position: int):
@@ -54,7 +66,10 @@ def counting(counter: _Counter):
     """Count every collective and point-to-point send issued inside the block."""
     import torch.distributed._functional_collectives as funcol
 
+    from sp_diffusers import handshake
+
     originals = {
+        (handshake, "gather_ints"): handshake.gather_ints,
         (dist, "all_to_all_single"): dist.all_to_all_single,
         (dist, "all_gather"): dist.all_gather,
         (dist, "all_gather_into_tensor"): dist.all_gather_into_tensor,
@@ -97,6 +112,14 @@ def counting(counter: _Counter):
         counter.calls += 1
         return originals[(dist, "batch_isend_irecv")](ops, *args, **kwargs)
 
+    def metadata(*args, **kwargs):
+        counter.in_handshake = True
+        try:
+            return originals[(handshake, "gather_ints")](*args, **kwargs)
+        finally:
+            counter.in_handshake = False
+
+    handshake.gather_ints = metadata
     dist.all_to_all_single, dist.all_gather, dist.all_gather_into_tensor = a2a, gather, gather_into
     dist.all_reduce, dist.batch_isend_irecv = reduce, p2p
     if hasattr(dist, "all_gather_single"):
@@ -141,6 +164,9 @@ def count_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, batch
             "bwd_bytes": bwd.bytes,
             "fwd_calls": fwd.calls,
             "bwd_calls": bwd.calls,
+            "fwd_handshake_bytes": fwd.handshake_bytes,
+            "fwd_handshake_calls": fwd.handshake_calls,
+            "bwd_handshake_calls": bwd.handshake_calls,
         }
     return out
 
@@ -174,7 +200,8 @@ def main(argv=None) -> int:
             print(
                 f"  P={world} {name:<22} fwd {c['fwd_bytes'] / 2**20:7.3f} MiB ({row['fwd_ratio']:.4f}x min, "
                 f"{c['fwd_calls']} collectives)  bwd {c['bwd_bytes'] / 2**20:7.3f} MiB ({row['bwd_ratio']:.4f}x min, "
-                f"{c['bwd_calls']} collectives)"
+                f"{c['bwd_calls']} collectives)  handshake {c['fwd_handshake_bytes']} B in "
+                f"{c['fwd_handshake_calls']} call"
             )
     write_json(args.json, {"args": vars(args), "rows": rows})
     return 0

@@ -34,11 +34,13 @@ from benchmarks.comm import _Counter, counting
 LAYOUTS = ((4, 1), (2, 2), (1, 4))  # (ulysses, ring)
 
 
-def _allgather_ring(query, key, value, group, attn_mask=None, is_causal=False, scale=None):
+def _allgather_ring(
+    query, key, value, group, attn_mask=None, is_causal=False, scale=None, kv_sizes=None, q_start=None
+):
     """Drop-in for ``ring_attention`` that all-gathers K/V over the ring (``[B, H, S/R, D]`` layout)."""
     from sp_diffusers.comm import gather_seq
 
-    k, v = gather_seq([key.transpose(1, 2), value.transpose(1, 2)], group)
+    k, v = gather_seq([key.transpose(1, 2), value.transpose(1, 2)], group, kv_sizes)
     return F.scaled_dot_product_attention(query, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
 
 

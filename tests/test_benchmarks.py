@@ -19,6 +19,10 @@ def test_comm_counts_the_ulysses_minimum(tmp_path):
     # one fused Q/K/V exchange + one output exchange per direction, exactly the minimum
     assert ours["fwd_bytes"] == ours["bwd_bytes"] == ours["minimum_per_direction"]
     assert ours["fwd_calls"] == ours["bwd_calls"] == 2
+    # plus one handshake all-gather of a fixed-size int64 row per forward (none in backward)
+    assert (ours["fwd_handshake_calls"], ours["bwd_handshake_calls"]) == (1, 0)
+    assert rows["native"]["fwd_handshake_calls"] == 0
+    assert 0 < ours["fwd_handshake_bytes"] < 1024
     assert rows["native"]["fwd_calls"] > ours["fwd_calls"]
 
 

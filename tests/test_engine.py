@@ -111,6 +111,8 @@ def test_divergent_sp_peers_are_detected():
     for r in run_distributed("tests.workers.engine_steps:divergent_batches", 2):
         assert r["raised"] is not None
         assert "latents" in r["raised"] and "SP peers disagree" in r["raised"]
+        # a key on one peer only: named, on every rank (not a collective abort)
+        assert r["extra_key"] is not None and "reference_latents" in r["extra_key"], r["extra_key"]
 
 
 def test_activation_checkpointing_lora_kl_cfg_and_bf16():

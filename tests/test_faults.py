@@ -149,3 +149,24 @@ def test_a_failed_load_leaves_the_engine_as_it_was(tmp_path):
                 assert torch.equal(v, moments[id(p)][k]), k
     engine.load_checkpoint(good)  # and a good one still loads into the same engine
     assert engine.global_step == 0
+
+
+def test_every_rank_agrees_before_backward():
+    """Unequal dp batches are weighted by samples (fp32, |d| <= 1e-5 + 1e-4 |ref| for every gradient); a
+    loss_fn raising on one rank only (after the forward) makes every rank raise within seconds; a loss_fn
+    returning something other than a scalar loss with grad is refused with a message naming loss_fn."""
+    results = run_distributed("tests.workers.faults:step_agreement", 4)
+    for rank, r in enumerate(results):
+        assert r["unequal_dp_grad_excess"] <= 1e-5, r["unequal_dp_grad_excess"]
+        msg = r["one_rank_fails"]
+        assert msg is not None and r["one_rank_fails_seconds"] < 20, r
+        if rank == 1:
+            assert msg == "RuntimeError: a bug in this rank's reward"
+        else:
+            assert msg.startswith("StepError") and "rank 1" in msg and "a bug in this rank's reward" in msg
+        assert "shape" in r["non_scalar"] and "scalar" in r["non_scalar"]
+        assert "float" in r["python_float"] and "no gradient" in r["python_float"]
+        assert "does not require grad" in r["no_grad"]
+        assert "(loss, metrics)" in r["not_a_pair"]
+        for name in ("non_scalar", "python_float", "no_grad", "not_a_pair"):
+            assert "loss_fn" in r[name], name

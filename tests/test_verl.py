@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -353,14 +354,16 @@ def test_verl_override_errors(overrides, message):
         translate_overrides(overrides)
 
 
-def test_cli_builds_through_verl_only_for_verl_driven_runs():
-    """Without verl keys (the README main job) the CLI keeps the native engine and skips verl's import."""
-    from sp_diffusers.cli import _engine_factory, main
+def test_cli_builds_through_verl_only_for_verl_driven_runs(capsys):
+    """Without verl keys (the README main job) the CLI keeps the native engine and skips verl's import; a
+    positional that is not key=value is a usage error (one block on stderr, exit 2)."""
+    from sp_diffusers.cli import USAGE_ERROR, _engine_factory, main
 
     assert _engine_factory("auto", False) == (None, "sp_diffusers.FSDPEngine")
     assert _engine_factory("native", True) == (None, "sp_diffusers.FSDPEngine")
-    with pytest.raises(ValueError, match=r"'not-an-override' is not key=value \(e\.g\. actor_rollout_ref"):
-        main(["train", "--iterations", "1", "not-an-override"])
+    assert main(["train", "--iterations", "1", "not-an-override"]) == USAGE_ERROR
+    err = capsys.readouterr().err
+    assert re.search(r"'not-an-override' is not key=value \(e\.g\. actor_rollout_ref", err), err
 
 
 @needs_verl

@@ -7,12 +7,14 @@ atomic DCP checkpoints. See ``FSDPEngine``.
     checkpoint.py    atomic, resumable DCP checkpoints: save, load (any layout), the model checks
     checkpoint_files.py  the on-disk format: folders, meta.json, latest, RNG files
     consistency.py   SP peers must see the same data: checksums compared across the group
+    step_agreement.py  before backward: did every rank's loss_fn work, how many samples each rank holds
 """
 
 from .checkpoint_files import CheckpointError
 from .consistency import SPDivergenceError
 from .fsdp_engine import FSDPEngine
 from .settings import EngineSettings, LoraSettings, OptimSettings
+from .step_agreement import StepError
 
 __all__ = [
     "CheckpointError",
@@ -21,4 +23,5 @@ __all__ = [
     "LoraSettings",
     "OptimSettings",
     "SPDivergenceError",
+    "StepError",
 ]

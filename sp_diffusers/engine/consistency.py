@@ -37,10 +37,29 @@ def _flatten(tensors: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
 def verify_sp_consistency(tensors: dict[str, Any], group: dist.ProcessGroup, what: str = "batch") -> None:
     """Raise ``SPDivergenceError`` naming the first tensor whose checksum differs across ``group``."""
     items = _flatten(tensors)
+    world = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group)
+    # names (and shapes) first: peers with different keys would otherwise all-gather tensors of different
+    # sizes, which gloo aborts on and NCCL may hang on
+    layouts: list = [None] * world
+    dist.all_gather_object(layouts, [(name, tuple(t.shape), str(t.dtype)) for name, t in items], group=group)
+    if any(layout != layouts[0] for layout in layouts):
+        mine = {n: (s, d) for n, s, d in layouts[0]}
+        for r, layout in enumerate(layouts[1:], start=1):
+            theirs = {n: (s, d) for n, s, d in layout}
+            if theirs != mine:
+                only_0 = sorted(set(mine) - set(theirs))
+                only_r = sorted(set(theirs) - set(mine))
+                changed = sorted(n for n in set(mine) & set(theirs) if mine[n] != theirs[n])
+                raise SPDivergenceError(
+                    f"SP peers disagree on the {what}'s keys or shapes: rank {ranks[0]} vs rank {ranks[r]}: only on "
+                    f"rank {ranks[0]}: {only_0}, only on rank {ranks[r]}: {only_r}, other shape/dtype: {changed}. "
+                    "Every rank of an SP group must run on the same micro-batch; fix: build the batch from the "
+                    "data-parallel rank, or let FSDPEngine.prepare_batch broadcast it"
+                )
     if not items:
         return
     local = torch.stack([checksum(t).cpu() for _, t in items])  # [N, 2]
-    world = dist.get_world_size(group)
     gathered = [torch.empty_like(local) for _ in range(world)]
     backend = dist.get_backend(group)
     if backend == "nccl":
@@ -50,7 +69,6 @@ def verify_sp_consistency(tensors: dict[str, Any], group: dist.ProcessGroup, wha
         gathered = [g.cpu() for g in gathered]
     else:
         dist.all_gather(gathered, local, group=group)
-    ranks = dist.get_process_group_ranks(group)
     for i, (name, _) in enumerate(items):
         values = [g[i] for g in gathered]
         differing = [ranks[r] for r, v in enumerate(values) if not torch.equal(v, values[0])]

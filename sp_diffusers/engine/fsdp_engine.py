@@ -28,12 +28,13 @@ from . import batch as batches
 from . import checkpoint as ckpt
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .settings import EngineSettings, LoraSettings, OptimSettings
+from .step_agreement import StepError, agree_step, batch_size_of, unpack_loss
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[["FSDPEngine", dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
-__all__ = ["EngineSettings", "FSDPEngine", "LoraSettings", "OptimSettings", "SPDivergenceError"]
+__all__ = ["EngineSettings", "FSDPEngine", "LoraSettings", "OptimSettings", "SPDivergenceError", "StepError"]
 
 
 @dataclass
@@ -273,20 +274,44 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def forward_backward(
-        self, batch: dict[str, Any], loss_fn: LossFn, loss_scale: float = 1.0
+        self,
+        batch: dict[str, Any] | None,
+        loss_fn: LossFn,
+        loss_scale: float = 1.0,
+        num_samples: int | None = None,
     ) -> dict[str, Any]:
         """``loss_fn(engine, batch) -> (loss, metrics)``; backward of ``loss * loss_scale``.
+
+        ``num_samples``: how many samples this rank's loss averages over. When the data-parallel ranks hold
+        different counts, each rank's loss is weighted by its share (``n_local * dp / n_total``), so the
+        gradient is the mean over all samples, not a mean of per-rank means; None: equal counts.
+
+        Before backward every rank learns whether any rank's ``loss_fn`` failed (one small all-gather), and
+        then all raise: the failing rank its own exception, the others a ``StepError`` naming it. A loss_fn
+        that fails before the model's forward on one rank only cannot be caught this way (its peers are
+        already inside the forward's collectives): they fail at the process-group timeout, or at once under
+        torchrun, which stops every rank when one exits.
 
         The returned metrics carry ``loss`` as computed (unscaled by SP, by ``loss_scale`` or by anything).
         """
         self.model.train()
-        loss, metrics = loss_fn(self, batch)
-        (loss * loss_scale).backward()
+        loss, metrics, failure = None, {}, None
+        try:
+            loss, metrics = unpack_loss(loss_fn(self, batch))
+        except Exception as err:  # shared with every rank below, then re-raised
+            failure = err
+        weight = agree_step(self, failure, num_samples)
+        (loss * (loss_scale * weight)).backward()
         metrics = {
             k: (v.detach().item() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in metrics.items()
         }
         metrics.setdefault("loss", loss.detach().item())
         return metrics
+
+    def dp_sample_weight(self, num_samples: int) -> float:
+        """This rank's loss weight when data-parallel ranks hold different sample counts (see
+        ``forward_backward``); 1.0 when they are equal."""
+        return agree_step(self, None, num_samples)
 
     def _sync_replicated_grads(self) -> None:
         if self.sharded or self.layout.world == 1:
@@ -335,7 +360,7 @@ class FSDPEngine:
         self.zero_grad()
         if self.debug_checks:
             self.verify_parameters()
-        metrics = self.forward_backward(batch, loss_fn)
+        metrics = self.forward_backward(batch, loss_fn, num_samples=batch_size_of(batch))
         metrics.update(self.optimizer_step())
         return metrics
 

@@ -337,8 +337,9 @@ class SPDiffusersEngine(BaseEngine):
                 m = {k: (v.item() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in m.items()}
                 m.setdefault("loss", float(loss))
             else:
-                # the micro-batch's share of the local batch: the summed gradients are the local-batch mean's
-                m = engine.forward_backward(batch, loss_fn, loss_scale=len(micro) / n)
+                # the micro-batch's share of the local batch: the summed gradients are the local-batch mean's;
+                # num_samples weights data-parallel ranks that hold different counts by their share
+                m = engine.forward_backward(batch, loss_fn, loss_scale=len(micro) / n, num_samples=n)
             losses.append(m["loss"])
             _append(metrics, m)
         model_output = {k: torch.cat(v) for k, v in outputs.items()}

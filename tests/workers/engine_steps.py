@@ -219,10 +219,18 @@ def divergent_batches(rank: int, world: int) -> dict:
         raised = None
     except SPDivergenceError as err:
         raised = str(err)
+    extra = trainer.iteration_batch(0)
+    if rank == 1:
+        extra["reference_latents"] = extra["latents"].clone()  # a key only one peer has
+    try:
+        trainer.engine.prepare_batch(extra)
+        extra_key = None
+    except SPDivergenceError as err:
+        extra_key = str(err)
     same = trainer.iteration_batch(0)
     trainer.engine.prepare_batch(same)  # identical batches pass
     dist.barrier()
-    return {"raised": raised}
+    return {"raised": raised, "extra_key": extra_key}
 
 
 def features(rank: int, world: int) -> dict:

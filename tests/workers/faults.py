@@ -54,3 +54,81 @@ def non_finite_and_divergent_parameters(rank: int, world: int) -> dict:
     except SPDivergenceError as err:
         out["divergent_parameters"] = str(err)
     return out
+
+
+def step_agreement(rank: int, world: int) -> dict:
+    """dp 2 x sp 2 on 4 ranks. (1) data-parallel ranks with 1 and 3 samples: the gradient is the mean over the
+    4 samples; (2) a loss_fn that raises on one rank only, after the forward: every rank raises promptly;
+    (3) loss_fn results that are not a scalar loss with grad: the error names loss_fn."""
+    import time
+
+    import torch.distributed as dist
+    from diffusers.utils import logging as dlogging
+
+    import sp_diffusers
+    from sp_diffusers.engine import StepError
+    from sp_diffusers.tiny import tiny_inputs, tiny_model
+
+    dlogging.set_verbosity(logging.ERROR)
+    out: dict = {}
+    model = tiny_model("qwenimage", num_layers=1)
+    full = tiny_inputs("qwenimage", model, batch=4, text_len=8, ragged_text=False)
+    reference = tiny_model("qwenimage", num_layers=1)
+    per_sample = reference(**full, return_dict=False)[0].square().mean(dim=(1, 2))  # [4]
+    per_sample.mean().backward()  # one process: the mean over the 4 samples
+    # parameters outside the loss's graph (the last block's text path) have no gradient: zeros under FSDP
+    ref = {
+        n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        for n, p in reference.named_parameters()
+    }
+
+    engine = sp_diffusers.FSDPEngine(model, ulysses_sequence_parallel_size=2)
+    rows = slice(0, 1) if engine.dp_rank == 0 else slice(1, 4)
+
+    def take(v):
+        return v[rows] if torch.is_tensor(v) or isinstance(v, list) else v
+
+    batch = {k: take(v) for k, v in full.items()}
+
+    def loss_fn(eng, b):
+        return eng.forward(**b).square().mean(), {}
+
+    engine.zero_grad()
+    engine.forward_backward(batch, loss_fn, num_samples=len(batch["img_shapes"]))
+    err = 0.0
+    for n, p in engine.model.named_parameters():
+        g = p.grad.full_tensor() if p.grad is not None else torch.zeros_like(ref[n])
+        err = max(err, ((g - ref[n]).abs() - 1e-4 * ref[n].abs()).max().item())
+    out["unequal_dp_grad_excess"] = err
+    engine.zero_grad()
+
+    def fails_on_rank_1(eng, b):
+        loss = eng.forward(**b).square().mean()
+        if rank == 1:
+            raise RuntimeError("a bug in this rank's reward")
+        return loss, {}
+
+    start = time.perf_counter()
+    try:
+        engine.forward_backward(batch, fails_on_rank_1)
+        out["one_rank_fails"] = None
+    except (StepError, RuntimeError) as e:
+        out["one_rank_fails"] = f"{type(e).__name__}: {e}"
+    out["one_rank_fails_seconds"] = time.perf_counter() - start
+    engine.zero_grad()
+    dist.barrier()
+
+    bad = {
+        "non_scalar": lambda eng, b: (eng.forward(**b).square(), {}),
+        "python_float": lambda eng, b: (float(eng.forward(**b).square().mean()), {}),
+        "no_grad": lambda eng, b: (eng.forward(**b).square().mean().detach(), {}),
+        "not_a_pair": lambda eng, b: eng.forward(**b).square().mean(),
+    }
+    for name, fn in bad.items():
+        try:
+            engine.forward_backward(batch, fn)
+            out[name] = None
+        except (TypeError, ValueError) as e:
+            out[name] = str(e)
+        dist.barrier()
+    return out
