@@ -78,7 +78,9 @@ def _fix(module: ModuleType) -> None:
 
         _init_device_mesh.__wrapped__ = original  # type: ignore[attr-defined]
         _swaps.set(cls, METHOD, _init_device_mesh)
-        logger.info("patched verl-omni %s.%s: Ulysses SP allowed below diffusers %s", cls.__name__, METHOD, FLOOR)
+        logger.info(
+            "patched verl-omni %s.%s: Ulysses SP allowed below diffusers %s", cls.__name__, METHOD, FLOOR
+        )
 
 
 def apply() -> None:

@@ -65,7 +65,9 @@ def probe() -> Probe:
     if diffusers_version() < Version("0.38"):
         return Probe(False, "verl-omni's Qwen-Image mask fix returns early below diffusers 0.38")
     if _refuses_external_mask():
-        return Probe(True, "verl-omni's Qwen-Image mask fix passes an external mask diffusers refuses (>= 0.39)")
+        return Probe(
+            True, "verl-omni's Qwen-Image mask fix passes an external mask diffusers refuses (>= 0.39)"
+        )
     if qwenimage_joint_mask.probe().needed:
         return Probe(True, "verl-omni's Qwen-Image mask fix and qwenimage_joint_mask would reorder twice")
     return Probe(False, "diffusers' Qwen-Image mask order needs no fix")
@@ -84,7 +86,10 @@ def _diffusers_forward(forward):
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if getattr(value, "__qualname__", "") == f"{cls.__name__}.forward" and value.__module__ == mod.__name__:
+        if (
+            getattr(value, "__qualname__", "") == f"{cls.__name__}.forward"
+            and value.__module__ == mod.__name__
+        ):
             return value
     return getattr(forward, "__wrapped__", None)
 
@@ -102,7 +107,9 @@ def _take_off_verl_omni_forward() -> None:
             "Fix: import verl (which loads sp-diffusers' plugin) before verl-omni applies its Qwen-Image fix"
         )
     _swaps.set(cls, "forward", original)
-    logger.info("took verl-omni's Qwen-Image mask forward off %s: diffusers' own forward is used", cls.__name__)
+    logger.info(
+        "took verl-omni's Qwen-Image mask forward off %s: diffusers' own forward is used", cls.__name__
+    )
 
 
 def _fix(module: ModuleType) -> None:

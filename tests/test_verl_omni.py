@@ -27,7 +27,12 @@ from .workers import verl_omni_fake
 
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl: scripts/setup.sh")
 LAYOUTS = {"dp1": 2, "dp2": 4}  # world at SP 2
-VERL_OMNI_PATCHES = ("verl_omni_attn_backend", "verl_omni_cpu_engine", "verl_omni_min_diffusers", "verl_omni_qwen_mask")
+VERL_OMNI_PATCHES = (
+    "verl_omni_attn_backend",
+    "verl_omni_cpu_engine",
+    "verl_omni_min_diffusers",
+    "verl_omni_qwen_mask",
+)
 # where each applies (docs/compatibility.md): the first two on every version
 EXPECTED = {
     "verl_omni_attn_backend": lambda m: True,
@@ -140,20 +145,20 @@ def test_fixes_run_when_the_module_is_imported_now_or_later(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     _SEEN.clear()
     try:
-        import spd_hook_pkg.early  # noqa: F401
+        import spd_hook_pkg.early
 
         _verl_omni.when_imported("spd_hook_pkg.early", _SEEN.append)
         assert [m.VALUE for m in _SEEN] == [1]  # already imported: at once
         _verl_omni.when_imported("spd_hook_pkg.late", _SEEN.append)
         assert len(_SEEN) == 1
-        import spd_hook_pkg.late  # noqa: F401
+        import spd_hook_pkg.late
 
         assert [m.VALUE for m in _SEEN] == [1, 2]
         assert spd_hook_pkg.late.__loader__.get_source("spd_hook_pkg.late") == "VALUE = 2\n"  # real loader's
-        import spd_hook_pkg.mid  # noqa: F401
+        import spd_hook_pkg.mid
 
         assert len(_SEEN) == 2  # mid-import: not yet
-        import spd_hook_pkg.after  # noqa: F401
+        import spd_hook_pkg.after
 
         assert [m.VALUE for m in _SEEN] == [1, 2, 3]
         _verl_omni.when_imported("spd_hook_pkg.never", _SEEN.append)

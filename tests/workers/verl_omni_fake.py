@@ -60,7 +60,7 @@ def apply_qwen_image_ulysses_mask_fix():
     QwenImageTransformer2DModel.forward = forward
 '''
 
-_MODEL_BASE = '''from verl.utils import tensordict_utils as tu  # noqa: F401  (verl-omni's pipelines import verl)
+_MODEL_BASE = """from verl.utils import tensordict_utils as tu  # noqa: F401  (verl-omni's pipelines import verl)
 
 
 class DiffusionModelBase:
@@ -71,9 +71,9 @@ class DiffusionModelBase:
 
             apply_qwen_image_ulysses_mask_fix()
         return cls
-'''
+"""
 
-_CONFIG = '''from dataclasses import dataclass
+_CONFIG = """from dataclasses import dataclass
 from typing import Optional
 
 from verl.base_config import BaseConfig
@@ -92,7 +92,7 @@ class DiffusionModelConfig(BaseConfig):
         valid_backends = {"native", "_native_npu", "_flash_3_varlen_hub"}
         if self.attn_backend not in valid_backends:
             raise ValueError(f"Invalid attn_backend: {self.attn_backend}. Must be one of {sorted(valid_backends)}")
-'''
+"""
 
 _LOSSES = '''from verl.utils import tensordict_utils as tu
 
@@ -107,7 +107,7 @@ def mse_loss(config, model_output, data, dp_group=None):
     return loss, {"loss": loss.detach()}
 '''
 
-_ENGINE = '''import inspect
+_ENGINE = """import inspect
 
 import diffusers
 import torch
@@ -229,7 +229,7 @@ class PPODiffusersFSDPEngine(DiffusersFSDPEngine):
 @EngineRegistry.register(model_type="diffusion_dpo_model", backend=["fsdp", "fsdp2"], device=["cuda", "npu"])
 class DPODiffusersFSDPEngine(DiffusersFSDPEngine):
     pass
-'''
+"""
 
 FILES = {
     "__init__.py": _INIT,

@@ -111,7 +111,8 @@ def _data() -> dict:
     mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
     return {
         "latents": torch.randn(G, TOKENS, LATENT_DIM, generator=g),
-        "prompt_embeds": torch.randn(G, max(lengths), TEXT_DIM, generator=g) * mask[..., None],  # 0 at padding
+        "prompt_embeds": torch.randn(G, max(lengths), TEXT_DIM, generator=g)
+        * mask[..., None],  # 0 at padding
         "prompt_embeds_mask": mask,
         "timestep": torch.rand(G, generator=g),
         "target": torch.randn(G, TOKENS, OUT_DIM, generator=g),
@@ -147,7 +148,9 @@ def _step(engine, data: dict) -> dict:
         "processor_backends": sorted(
             {
                 str(getattr(b, "value", b))  # an AttentionBackendName member
-                for b in (getattr(p, "_attention_backend", None) for p in engine.module.attn_processors.values())
+                for b in (
+                    getattr(p, "_attention_backend", None) for p in engine.module.attn_processors.values()
+                )
             }
         ),
         "ulysses_degree": cp.ulysses_degree if cp is not None else 1,
@@ -216,11 +219,15 @@ def _controls(model_dir: str, sp: int, data: dict, ref_grads: dict) -> dict:
 
         verl_omni_qwen_mask.revert()
         result: dict = {}
-        result["error"] = _expect_error(lambda: result.update(_step(_engine(model_dir, "ulysses_sdpa", sp), data)))
+        result["error"] = _expect_error(
+            lambda: result.update(_step(_engine(model_dir, "ulysses_sdpa", sp), data))
+        )
         forward = QwenImageTransformer2DModel.forward
         result["verl_omni_forward_on"] = bool(getattr(forward, verl_omni_qwen_mask.MARKER, False))
         if dist.get_rank() == 0 and result.get("grads"):
-            result["max_grad_err"] = max((result["grads"][n] - g).abs().max().item() for n, g in ref_grads.items())
+            result["max_grad_err"] = max(
+                (result["grads"][n] - g).abs().max().item() for n, g in ref_grads.items()
+            )
         result.pop("grads", None)
         verl_omni_qwen_mask.apply()  # the module is imported: verl-omni's forward comes off now
         forward = QwenImageTransformer2DModel.forward
