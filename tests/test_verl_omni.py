@@ -5,9 +5,9 @@ verl-omni is not on PyPI, so these tests run a stand-in (``tests/workers/verl_om
 temp dir): verl-omni's module paths, its engine's call sequence and the four defects sp-diffusers patches.
 Everything else is real: verl 0.9.1 (its hydra yaml, ``EngineRegistry``, FSDP2 helpers, the ``verl.plugins``
 entry point), diffusers from the matrix (verl imports with every one of them), gloo ranks under
-``VERL_PLATFORM=cpu``. Per version: dp 1 (2 ranks, SP 2) and dp 2 (4 ranks, SP 2), ``ulysses_sdpa`` and
-``native``; every gradient against the same step in one process within ``1e-5 + 1e-4 |ref|``
-(``tests/_parity.py``). The dp-1 run also takes each verl-omni patch off and shows its defect.
+``VERL_PLATFORM=cpu``. Per version, one group of 4 ranks runs dp 1 (SP 4) and dp 2 (SP 2), each with
+``ulysses_sdpa`` and ``native``: every gradient against the same step in one process within
+``1e-5 + 1e-4 |ref|`` (``tests/_parity.py``); it also takes each verl-omni patch off and shows its defect.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from ._parity import worst_grad
 from .workers import verl_omni_fake
 
 needs_verl = pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl: scripts/setup.sh")
-LAYOUTS = {"dp1": 2, "dp2": 4}  # world at SP 2
+WORLD = 4
+LAYOUTS = {"dp1": 4, "dp2": 2}  # SP degree on 4 ranks (dp = 4 / SP); tests/workers/verl_omni_steps.py
 VERL_OMNI_PATCHES = (
     "verl_omni_attn_backend",
     "verl_omni_cpu_engine",
@@ -49,14 +50,12 @@ def _fake_root() -> str:
 
 
 @functools.cache
-def _run(version: str, layout: str) -> list[dict]:
+def _run(version: str) -> list[dict]:
     work = tempfile.mkdtemp(dir=_tmp.name)
     return run_distributed(
         "tests.workers.verl_omni_steps:engine_parity",
-        LAYOUTS[layout],
+        WORLD,
         work,
-        2,
-        layout == "dp1",
         sys_path=[*sys_path_for(version), _fake_root()],
         env={"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_PLUGINS": "auto", "VERL_LOGGING_LEVEL": "ERROR"},
     )
@@ -67,7 +66,8 @@ def _run(version: str, layout: str) -> list[dict]:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("version", MATRIX_VERSIONS)
 def test_verl_omni_engine_matches_one_process(version, layout):
-    results = _run(version, layout)
+    results = _run(version)
+    sp = LAYOUTS[layout]
     r0 = results[0]
     assert r0["diffusers"] == version
     ref = r0["ref"]["grads"]
@@ -75,8 +75,8 @@ def test_verl_omni_engine_matches_one_process(version, layout):
     for r in results:
         assert r["backend_registered_by_import_verl"], "import verl did not register ulysses_sdpa"
     for backend in ("ulysses_sdpa", "native"):
-        step = r0[backend]
-        assert step["ulysses_degree"] == 2 and step["dp"] == LAYOUTS[layout] // 2
+        step = r0[f"{layout}/{backend}"]
+        assert step["ulysses_degree"] == sp and step["dp"] == WORLD // sp
         assert step["processor_backends"] == [backend], step["processor_backends"]
         assert set(ref) <= set(step["grads"]), f"{backend}: parameters without a gradient"
         # a parameter outside the loss's graph has none in one process and a zero one from FSDP's reduce-scatter
@@ -86,15 +86,15 @@ def test_verl_omni_engine_matches_one_process(version, layout):
             assert ok, f"diffusers {version} {layout} {backend}: grad {name} off by {err:.3e}"
         # SP peers (adjacent ranks) computed the same micro-batch losses (x sp, as verl-omni reports them)
         for rank, r in enumerate(results):
-            peer = results[rank - rank % 2][backend]["losses"]
-            assert r[backend]["losses"] == pytest.approx(peer, rel=1e-6)
+            peer = results[rank - rank % sp][f"{layout}/{backend}"]["losses"]
+            assert r[f"{layout}/{backend}"]["losses"] == pytest.approx(peer, rel=1e-6)
 
 
 @needs_verl
 @pytest.mark.matrix
 @pytest.mark.parametrize("version", MATRIX_VERSIONS)
 def test_verl_omni_patches_probe_defect_and_fix(version):
-    r0 = _run(version, "dp1")[0]
+    r0 = _run(version)[0]
     m = minor(version)
     for name in VERL_OMNI_PATCHES:
         assert (name in r0["applied"]) == EXPECTED[name](m), f"{name} on {version}: {r0['report']}"
@@ -108,8 +108,9 @@ def test_verl_omni_patches_probe_defect_and_fix(version):
     assert c["dpo_lookup"] == "DPODiffusersFSDPEngine"  # every verl-omni model type, not one
     if m <= (0, 37):
         assert "requires diffusers >= 0.38.0" in c["verl_omni_min_diffusers"]["without"]
+        assert "needs 'ring' and 'ulysses' (missing: ['ring', 'ulysses'])" in c["mesh_without_ring"]
     else:
-        assert "verl_omni_min_diffusers" not in c
+        assert "verl_omni_min_diffusers" not in c and "mesh_without_ring" not in c
     if m >= (0, 38):
         q = c["verl_omni_qwen_mask"]
         assert q["verl_omni_forward_on"] and not q["verl_omni_forward_after"]

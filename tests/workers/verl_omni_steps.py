@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from functools import partial
 from pathlib import Path
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 G, MICRO = 8, 2  # global samples, micro-batch rows (dp 2: two micro-batches per rank)
-TOKENS, LATENT_DIM, TEXT_DIM, OUT_DIM = 16, 16, 32, 16  # the tiny Qwen-Image: 4 x 4 patches
-# 0.37+: micro-batch maxima 7, 9, 6, 9 (odd ones are padded to a multiple of sp under SP, masked).
+TOKENS, LATENT_DIM, TEXT_DIM, OUT_DIM = 16, 16, 32, 16  # the tiny Qwen-Image: 4 x 4 patches, 4 heads
+# 0.37+: micro-batch maxima 7, 9, 6, 9: verl-omni pads them to a multiple of sp (masked keys).
 # 0.36's Qwen-Image ignores the text mask with or without SP, so a padded key would change its function:
-# there every micro-batch's longest prompt is already a multiple of 2.
+# there every micro-batch's longest prompt is already a multiple of 4.
 TEXT_LENGTHS = (5, 7, 3, 9, 6, 4, 9, 5)
-TEXT_LENGTHS_036 = (5, 8, 3, 6, 6, 4, 8, 5)
+TEXT_LENGTHS_036 = (5, 8, 3, 4, 8, 4, 8, 5)
 BACKENDS = ("ulysses_sdpa", "native")
+LAYOUTS = {"dp1": 4, "dp2": 2}  # on 4 ranks: the SP degree of each layout (dp = 4 / sp)
 
 
 def _quiet() -> None:
@@ -212,6 +214,14 @@ def _controls(model_dir: str, sp: int, data: dict, ref_grads: dict) -> dict:
         patch.apply()
         out[patch.NAME]["with"] = fixed() if fixed else None
     out["bogus_backend"] = _expect_error(config("not_a_backend"))  # the whitelist still refuses others
+    from sp_diffusers.patches import mesh_injection
+
+    if mesh_injection.is_applied():  # 0.36/0.37: the constructor takes mesh= and checks it as 0.38+ needs
+        from diffusers import ContextParallelConfig
+        from torch.distributed.device_mesh import init_device_mesh
+
+        flat = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+        out["mesh_without_ring"] = _expect_error(lambda: ContextParallelConfig(ulysses_degree=2, mesh=flat))
     out["dpo_lookup"] = EngineRegistry.get_engine_cls("diffusion_dpo_model", "fsdp").__qualname__
 
     if verl_omni_qwen_mask.is_applied():
@@ -236,11 +246,19 @@ def _controls(model_dir: str, sp: int, data: dict, ref_grads: dict) -> dict:
     return out
 
 
-def engine_parity(rank: int, world: int, root: str, sp: int, controls: bool) -> dict:
+def engine_parity(rank: int, world: int, root: str) -> dict:
+    """Both layouts x both backends, and the patch controls (at dp 2), in one process group."""
+    clock = [time.perf_counter()]
+    seconds: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        seconds[name] = round(clock[-1] - clock[-2], 2)
+
     _quiet()
     import verl  # noqa: F401  (the verl.plugins entry point installs sp-diffusers here)
 
-    out: dict = {"backend_registered_by_import_verl": _backend_registered()}
+    out: dict = {"backend_registered_by_import_verl": _backend_registered(), "seconds": seconds}
     import diffusers
     import verl_omni  # noqa: F401  (the stand-in: registers its engines)
 
@@ -248,14 +266,18 @@ def engine_parity(rank: int, world: int, root: str, sp: int, controls: bool) -> 
 
     report = sp_diffusers.install()  # idempotent: the plugin's report
     out.update(diffusers=diffusers.__version__, applied=list(report.applied), report=str(report))
+    lap("imports")
     model_dir = _model_dir(root)
     data = _data()
     ref = _reference(model_dir, data) if rank == 0 else {"grads": {}, "losses": []}
     dist.barrier()
-    if controls:
-        out["controls"] = _controls(model_dir, sp, data, ref["grads"])
+    lap("reference")
+    out["controls"] = _controls(model_dir, LAYOUTS["dp2"], data, ref["grads"])
+    lap("controls")
     out["ref"] = ref
-    for backend in BACKENDS:
-        out[backend] = _step(_engine(model_dir, backend, sp), data)
-        dist.barrier()
+    for layout, sp in LAYOUTS.items():
+        for backend in BACKENDS:
+            out[f"{layout}/{backend}"] = _step(_engine(model_dir, backend, sp), data)
+            dist.barrier()
+            lap(f"{layout}/{backend}")
     return out
