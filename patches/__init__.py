@@ -15,6 +15,7 @@ from . import (
     native_ulysses,
     qwenimage_joint_mask,
     root_hook_return_dict,
+    uneven_sharding,
     verl_omni_attn_backend,
     verl_omni_cpu_engine,
     verl_omni_min_diffusers,
@@ -25,6 +26,7 @@ from ._base import Probe
 ALL_PATCHES = (
     cpu_device_count,
     root_hook_return_dict,
+    uneven_sharding,
     mesh_injection,
     qwenimage_joint_mask,
     backend_leak,

@@ -45,17 +45,18 @@ def probe() -> Probe:
     )
 
 
-def reorder_joint_mask(mask: torch.Tensor, text_local: int, image_local: int, world: int) -> torch.Tensor:
-    """``[.., text_0..text_{P-1}, image_0..image_{P-1}]`` -> ``[.., text_0, image_0, text_1, image_1, ..]``."""
-    text = mask[..., : world * text_local].unflatten(-1, (world, text_local))
-    image = mask[..., world * text_local :].unflatten(-1, (world, image_local))
-    return torch.cat([text, image], dim=-1).flatten(-2).to(torch.bool)
+def reorder_joint_mask(mask: torch.Tensor, text: list[int], image: list[int]) -> torch.Tensor:
+    """``[.., text (all ranks), image (all ranks)]`` -> ``[.., text_0, image_0, text_1, image_1, ..]`` as a bool
+    mask; ``text``/``image`` are every rank's lengths of the two streams."""
+    from sp_diffusers.comm import to_all_to_all_order
+
+    return to_all_to_all_order(mask, -1, text, image).to(torch.bool)
 
 
 def apply() -> None:
     if _swaps.active:
         return
-    from sp_diffusers.cp_groups import cp_world
+    from sp_diffusers.cp_groups import cp_world, stream_sizes
 
     cls = _module().QwenDoubleStreamAttnProcessor2_0
     original = cls.__call__
@@ -64,11 +65,13 @@ def apply() -> None:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kwargs):
         bound = signature.bind(self, attn, hidden_states, encoder_hidden_states, *args, **kwargs)
         mask = bound.arguments.get("attention_mask")
-        world = cp_world(getattr(self, "_parallel_config", None))
-        if mask is not None and encoder_hidden_states is not None:
-            text_local, image_local = encoder_hidden_states.shape[1], hidden_states.shape[1]
-            if world > 1 and mask.shape[-1] == world * (text_local + image_local):
-                bound.arguments["attention_mask"] = reorder_joint_mask(mask, text_local, image_local, world)
+        config = getattr(self, "_parallel_config", None)
+        if mask is not None and encoder_hidden_states is not None and cp_world(config) > 1:
+            text, image = stream_sizes(
+                config, [encoder_hidden_states.shape[1], hidden_states.shape[1]], hidden_states.device
+            )
+            if mask.shape[-1] == sum(text) + sum(image):
+                bound.arguments["attention_mask"] = reorder_joint_mask(mask, text, image)
         return original(*bound.args, **bound.kwargs)
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]

@@ -22,11 +22,14 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "Sizes",
     "all_gather_along",
     "gather_ints",
     "gather_seq",
     "heads_to_seq",
     "seq_to_heads",
+    "split_sizes",
+    "to_all_to_all_order",
 ]
 
 
@@ -44,7 +47,9 @@ def _send_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     for n in shape:
         numel *= n
     buf = _SEND_BUFFERS.get((dtype, device))
-    if buf is None or buf.numel() < numel:
+    # a buffer made under torch.inference_mode() is an inference tensor: writing it outside inference mode
+    # (the next training forward) is refused by autograd, so it is replaced, and vice versa
+    if buf is None or buf.numel() < numel or buf.is_inference() != torch.is_inference_mode_enabled():
         buf = torch.empty(numel, dtype=dtype, device=device)
         _SEND_BUFFERS[(dtype, device)] = buf
     return buf[:numel].view(shape)
@@ -55,19 +60,35 @@ def release_buffers() -> None:
     _SEND_BUFFERS.clear()
 
 
-def _bucket_key(t: torch.Tensor, seq_dim_len: int) -> tuple:
-    return (t.shape[0], seq_dim_len, t.dtype, t.device)
+Sizes = Sequence[int] | None  # per-rank local sequence lengths (rank order); None: equal, S_l on every rank
 
 
-def _seq_to_heads_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """``[B, S_l, H, D] -> [B, S, H/P, D]`` for each tensor; tensors sharing (B, S_l) share one collective."""
+def split_sizes(total: int, world: int) -> list[int]:
+    """How a length ``total`` is split over ``world`` ranks: ``torch.tensor_split``'s rule (the first
+    ``total % world`` ranks hold one more), which diffusers' uneven sharding and sp-diffusers' share."""
+    return [total // world + (r < total % world) for r in range(world)]
+
+
+def _uniform(sizes: Sizes) -> bool:
+    return sizes is None or all(n == sizes[0] for n in sizes)
+
+
+def _seq_to_heads_impl(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes]
+) -> list[torch.Tensor]:
+    """``[B, S_l, H, D] -> [B, S, H/P, D]`` for each tensor; tensors sharing (B, sizes) share one collective.
+
+    Every destination gets all of this rank's ``S_l`` rows (of its own heads), so the send splits are equal;
+    from source ``p`` arrive ``sizes[p]`` rows, which the receive splits carry.
+    """
     world = dist.get_world_size(group)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     buckets: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        buckets.setdefault(_bucket_key(t, t.shape[1]), []).append(i)
+        key = (t.shape[0], t.shape[1], None if _uniform(sizes[i]) else tuple(sizes[i]), t.dtype, t.device)
+        buckets.setdefault(key, []).append(i)
 
-    for (b, s_l, dtype, device), idx in buckets.items():
+    for (b, s_l, uneven, dtype, device), idx in buckets.items():
         widths = [tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx]
         send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
         offset = 0
@@ -79,9 +100,16 @@ def _seq_to_heads_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
                 t.unflatten(2, (world, h_l)).permute(2, 1, 0, 3, 4)
             )
             offset += w
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        recv = recv.view(world * s_l, b, -1)  # [P, S_l, B, W] -> [S, B, W], free
+        if uneven is None:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+            recv = recv.view(world * s_l, b, send.shape[-1])  # [P, S_l, B, W] -> [S, B, W], free
+        else:
+            # [S, B, W] with source p's rows at its offset: the same free view, split sizes per source
+            recv = torch.empty((sum(uneven), b, send.shape[-1]), dtype=dtype, device=device)
+            dist.all_to_all_single(
+                recv, send.view(world * s_l, b, send.shape[-1]), list(uneven), [s_l] * world, group=group
+            )
         offset = 0
         for i, w in zip(idx, widths, strict=True):
             h_l, d = tensors[i].shape[2] // world, tensors[i].shape[3]
@@ -91,34 +119,46 @@ def _seq_to_heads_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup
     return out  # type: ignore[return-value]
 
 
-def _heads_to_seq_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """``[B, S, H_l, D] -> [B, S/P, H_l * P, D]`` for each tensor; the exact inverse of ``_seq_to_heads_impl``."""
-    world = dist.get_world_size(group)
+def _heads_to_seq_impl(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes]
+) -> list[torch.Tensor]:
+    """``[B, S, H_l, D] -> [B, S_l, H_l * P, D]`` for each tensor; the exact inverse of ``_seq_to_heads_impl``.
+
+    Destination ``p`` gets rows ``[offset_p, offset_p + sizes[p])``; from every source arrive this rank's
+    ``S_l`` rows (of the source's heads): equal receive splits.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     buckets: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        buckets.setdefault(_bucket_key(t, t.shape[1]), []).append(i)
+        key = (t.shape[0], t.shape[1], None if _uniform(sizes[i]) else tuple(sizes[i]), t.dtype, t.device)
+        buckets.setdefault(key, []).append(i)
 
-    for (b, s, dtype, device), idx in buckets.items():
-        s_l = s // world
+    for (b, s, uneven, dtype, device), idx in buckets.items():
+        s_l = s // world if uneven is None else uneven[rank]
         widths = [tensors[i].shape[2] * tensors[i].shape[3] for i in idx]
         if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
             # SDPA writes its output in the query's layout, and the queries came out of seq_to_heads as
-            # [S, B, H_l, D] in memory: that already is the send layout [P, S_l, B, W], so no pack copy.
-            send = tensors[idx[0]].transpose(0, 1).reshape(world, s_l, b, widths[0])
+            # [S, B, H_l, D] in memory: that already is the send layout [S, B, W] (destination rows in rank
+            # order), so no pack copy.
+            send = tensors[idx[0]].transpose(0, 1).reshape(s, b, widths[0])
         else:
-            send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
+            send = _send_buffer((s, b, sum(widths)), dtype, device)
             offset = 0
             for i, w in zip(idx, widths, strict=True):
                 t = tensors[i]
-                h_l, d = t.shape[2], t.shape[3]
-                # [B, P, S_l, H_l, D] -> [P, S_l, B, H_l, D]
-                send[..., offset : offset + w].unflatten(-1, (h_l, d)).copy_(
-                    t.unflatten(1, (world, s_l)).permute(1, 2, 0, 3, 4)
+                # [B, S, H_l, D] -> [S, B, H_l, D]
+                send[..., offset : offset + w].unflatten(-1, (t.shape[2], t.shape[3])).copy_(
+                    t.transpose(0, 1)
                 )
                 offset += w
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
+        recv = torch.empty((world, s_l, b, send.shape[-1]), dtype=dtype, device=device)
+        if uneven is None:
+            dist.all_to_all_single(recv, send.view(world, s_l, b, send.shape[-1]), group=group)
+        else:
+            dist.all_to_all_single(
+                recv.view(world * s_l, b, send.shape[-1]), send, [s_l] * world, list(uneven), group=group
+            )
         offset = 0
         for i, w in zip(idx, widths, strict=True):
             h_l, d = tensors[i].shape[2], tensors[i].shape[3]
@@ -138,81 +178,129 @@ class _SeqToHeads(torch.autograd.Function):
     """Forward: sequence-sharded -> head-sharded. Backward: the inverse exchange of the gradients."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.group = group
-        return tuple(_seq_to_heads_impl(tensors, group))
+    def forward(ctx, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.group, ctx.sizes = group, sizes
+        return tuple(_seq_to_heads_impl(tensors, group, sizes))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return (None, *_heads_to_seq_impl(grads, ctx.group))
+        return (None, None, *_heads_to_seq_impl(grads, ctx.group, ctx.sizes))
 
 
 class _HeadsToSeq(torch.autograd.Function):
     """Forward: head-sharded -> sequence-sharded. Backward: the inverse exchange of the gradients."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.group = group
-        return tuple(_heads_to_seq_impl(tensors, group))
+    def forward(ctx, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.group, ctx.sizes = group, sizes
+        return tuple(_heads_to_seq_impl(tensors, group, sizes))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return (None, *_seq_to_heads_impl(grads, ctx.group))
+        return (None, None, *_seq_to_heads_impl(grads, ctx.group, ctx.sizes))
 
 
-def _check_divisible(tensors: Sequence[torch.Tensor], dim: int, world: int, what: str) -> None:
-    for t in tensors:
+def _check_shapes(
+    tensors: Sequence[torch.Tensor], world: int, sizes: Sequence[Sizes], head_sharded: bool
+) -> None:
+    """4-D tensors; heads divide the degree (before the exchange); a global length matches its sizes."""
+    for t, n in zip(tensors, sizes, strict=True):
         if t.dim() != 4:
             raise ValueError(f"expected a 4-D tensor [B, S, H, D], got shape {tuple(t.shape)}")
-        if t.shape[dim] % world:
+        if not head_sharded and t.shape[2] % world:
             raise ValueError(
-                f"{what} ({t.shape[dim]}) must be divisible by the Ulysses degree ({world}); "
+                f"number of heads ({t.shape[2]}) must be divisible by the Ulysses degree ({world}); "
                 f"shape {tuple(t.shape)}"
             )
+        if n is not None and (len(n) != world or any(x < 0 for x in n)):
+            raise ValueError(f"sizes={list(n)} must give a length >= 0 for each of the {world} ranks")
+        if head_sharded and n is None and t.shape[1] % world:
+            raise ValueError(
+                f"sequence length ({t.shape[1]}) must be divisible by the Ulysses degree ({world}) unless "
+                f"its per-rank sizes are given; shape {tuple(t.shape)}"
+            )
+        if head_sharded and n is not None and t.shape[1] != sum(n):
+            raise ValueError(f"sequence length {t.shape[1]} != the sum of sizes {list(n)}")
 
 
-def seq_to_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """All-to-all ``[B, S/P, H, D] -> [B, S, H/P, D]`` for every tensor, differentiable.
+def seq_to_heads(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes] | None = None
+) -> list[torch.Tensor]:
+    """All-to-all ``[B, S_l, H, D] -> [B, S, H/P, D]`` for every tensor, differentiable.
 
     Rank r receives heads ``[r*H/P, (r+1)*H/P)`` of the whole sequence, sequence chunks in rank order.
-    Tensors may differ in H, D and S (each distinct (B, S/P) costs one collective). The results are
-    strided views; SDPA consumes them as they are.
+    ``sizes[i]`` lists tensor i's local length on every rank (uneven sharding; ``S`` is their sum), None
+    when all ranks hold the same ``S_l``. Tensors may differ in H, D and S (each distinct (B, sizes) costs
+    one collective). The results are strided views; SDPA consumes them as they are.
     """
     world = dist.get_world_size(group)
-    _check_divisible(tensors, 2, world, "number of heads")
+    sizes = list(sizes) if sizes is not None else [None] * len(tensors)
+    _check_shapes(tensors, world, sizes, head_sharded=False)
+    rank = dist.get_rank(group)
+    for t, n in zip(tensors, sizes, strict=True):
+        if n is not None and t.shape[1] != n[rank]:
+            raise ValueError(f"local sequence length {t.shape[1]} != this rank's entry of sizes {list(n)}")
     if world == 1:
         return list(tensors)
-    return list(_SeqToHeads.apply(group, *tensors))
+    return list(_SeqToHeads.apply(group, sizes, *tensors))
 
 
-def heads_to_seq(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """All-to-all ``[B, S, H/P, D] -> [B, S/P, H, D]`` for every tensor, differentiable; inverse of
-    :func:`seq_to_heads`. Outputs are contiguous."""
+def heads_to_seq(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes] | None = None
+) -> list[torch.Tensor]:
+    """All-to-all ``[B, S, H/P, D] -> [B, S_l, H, D]`` for every tensor, differentiable; inverse of
+    :func:`seq_to_heads` (``sizes`` as there: the local lengths to cut ``S`` into). Outputs are contiguous."""
     world = dist.get_world_size(group)
-    _check_divisible(tensors, 1, world, "sequence length")
+    sizes = list(sizes) if sizes is not None else [None] * len(tensors)
+    _check_shapes(tensors, world, sizes, head_sharded=True)
     if world == 1:
         return list(tensors)
-    return list(_HeadsToSeq.apply(group, *tensors))
+    return list(_HeadsToSeq.apply(group, sizes, *tensors))
 
 
-def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def to_all_to_all_order(x: torch.Tensor, dim: int, first: list[int], second: list[int]) -> torch.Tensor:
+    """Reorder ``dim`` of ``x`` from stream order to the key order the all-to-all produces.
+
+    ``first``/``second`` are every rank's lengths of the two streams; ``x.shape[dim] == sum(first) +
+    sum(second)``, laid out ``[first stream, second stream]`` (the order of one process). Returns it as
+    ``[first_0, second_0, first_1, second_1, ...]``, the order in which Ulysses concatenates each rank's
+    ``cat([first_r, second_r])`` chunk.
+    """
+    dim = dim % x.dim()
+    a, b = x.split([sum(first), sum(second)], dim=dim)
+    pieces = [t for pair in zip(a.split(first, dim=dim), b.split(second, dim=dim), strict=True) for t in pair]
+    return torch.cat(pieces, dim=dim)
+
+
+def all_gather_along(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sizes = None
+) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order (not differentiable; for masks).
 
-    All ranks must pass the same shape. Bool tensors travel as uint8 (gloo and NCCL both accept it).
+    ``sizes``: every rank's length of ``dim`` when they differ (the other dims must agree); None when all
+    ranks pass the same shape. Uneven pieces travel padded to the longest (gloo needs equal shapes) and are
+    cut back. Bool tensors travel as uint8 (gloo and NCCL both accept it).
     """
     world = dist.get_world_size(group)
     if world == 1:
         return x
     is_bool = x.dtype == torch.bool
     src = (x.to(torch.uint8) if is_bool else x).contiguous()
+    longest = max(sizes) if not _uniform(sizes) else None
+    if longest is not None and src.shape[dim] < longest:
+        pad = list(src.shape)
+        pad[dim] = longest - src.shape[dim]
+        src = torch.cat([src, src.new_zeros(pad)], dim=dim)
     parts = [torch.empty_like(src) for _ in range(world)]
     dist.all_gather(parts, src, group=group)
+    if longest is not None:
+        parts = [p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)]
     out = torch.cat(parts, dim=dim)
     return out.to(torch.bool) if is_bool else out
 
 
 def gather_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
-    """Every rank's small integer vector, in rank order (one collective)."""
+    """Every rank's small integer vector (all of one length), in rank order (one collective)."""
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     gathered = all_gather_along(t.unsqueeze(0), 0, group)
     return gathered.tolist()
@@ -223,18 +311,24 @@ def _all_gather_dim0(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGr
     gather(out, inp, group=group)
 
 
-def _gather_seq_impl(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """``[B, S/R, H, D] -> [B, S, H, D]`` for tensors sharing (B, S/R): one fused all-gather, rank order."""
+def _gather_seq_impl(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sizes
+) -> list[torch.Tensor]:
+    """``[B, S_l, H, D] -> [B, S, H, D]`` for tensors sharing (B, S_l): one fused all-gather, rank order."""
     world = dist.get_world_size(group)
     b, s_l = tensors[0].shape[:2]
+    longest = s_l if _uniform(sizes) else max(sizes)
     widths = [t.shape[2] * t.shape[3] for t in tensors]
-    send = torch.empty((s_l, b, sum(widths)), dtype=tensors[0].dtype, device=tensors[0].device)
+    # uneven: every rank sends `longest` rows (its own, then zeros), the padding is cut out after
+    send = torch.zeros((longest, b, sum(widths)), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
     for t, w in zip(tensors, widths, strict=True):
-        send[..., offset : offset + w].copy_(t.flatten(2).transpose(0, 1))
+        send[:s_l, :, offset : offset + w].copy_(t.flatten(2).transpose(0, 1))
         offset += w
-    recv = torch.empty((world * s_l, b, sum(widths)), dtype=send.dtype, device=send.device)
+    recv = torch.empty((world * longest, b, sum(widths)), dtype=send.dtype, device=send.device)
     _all_gather_dim0(recv, send, group)
+    if not _uniform(sizes):
+        recv = torch.cat([recv[p * longest : p * longest + n] for p, n in enumerate(sizes)])
     out, offset = [], 0
     for t, w in zip(tensors, widths, strict=True):
         out.append(recv[..., offset : offset + w].unflatten(-1, t.shape[2:]).transpose(0, 1))
@@ -246,14 +340,15 @@ class _GatherSeq(torch.autograd.Function):
     """Forward: all-gather along the sequence. Backward: every rank's gradient for my chunk, summed."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.group = group
+    def forward(ctx, group: dist.ProcessGroup, sizes: Sizes, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.group, ctx.sizes = group, sizes
         ctx.local_len = tensors[0].shape[1]
-        return tuple(_gather_seq_impl(tensors, group))
+        return tuple(_gather_seq_impl(tensors, group, sizes))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         rank, s_l = dist.get_rank(ctx.group), ctx.local_len
+        start = rank * s_l if _uniform(ctx.sizes) else sum(ctx.sizes[:rank])
         widths = [g.shape[2] * g.shape[3] for g in grads]
         b = grads[0].shape[0]
         packed = torch.empty(
@@ -265,23 +360,26 @@ class _GatherSeq(torch.autograd.Function):
             offset += w
         # gloo has no reduce_scatter: all-reduce the packed gradients and keep this rank's chunk
         dist.all_reduce(packed, group=ctx.group)
-        mine = packed[rank * s_l : (rank + 1) * s_l]
+        mine = packed[start : start + s_l]
         out, offset = [], 0
         for g, w in zip(grads, widths, strict=True):
             out.append(mine[..., offset : offset + w].unflatten(-1, g.shape[2:]).transpose(0, 1).contiguous())
             offset += w
-        return (None, *out)
+        return (None, None, *out)
 
 
-def gather_seq(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """All-gather ``[B, S/R, H, D] -> [B, S, H, D]`` along the sequence (rank order), differentiable.
+def gather_seq(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sizes = None
+) -> list[torch.Tensor]:
+    """All-gather ``[B, S_l, H, D] -> [B, S, H, D]`` along the sequence (rank order), differentiable.
 
-    The ring dimension of Ulysses x Ring: each rank's queries attend to every rank's keys/values. The
-    backward sums every rank's gradient for this rank's chunk. Tensors must share (B, S/R).
+    The ring dimension of Ulysses x Ring with dropout: each rank's queries attend to every rank's keys/values.
+    The backward sums every rank's gradient for this rank's chunk. Tensors must share (B, S_l); ``sizes``
+    lists every rank's ``S_l`` when they differ.
     """
     if dist.get_world_size(group) == 1:
         return list(tensors)
     shapes = {tuple(t.shape[:2]) for t in tensors}
     if len(shapes) != 1:
         raise ValueError(f"gather_seq needs one (B, S/R) for all tensors, got {sorted(shapes)}")
-    return list(_GatherSeq.apply(group, *tensors))
+    return list(_GatherSeq.apply(group, sizes, *tensors))

@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["CPGroups", "cp_config_of", "cp_degrees", "cp_groups", "cp_world"]
+from .comm import gather_ints
+
+__all__ = ["CPGroups", "cp_config_of", "cp_degrees", "cp_groups", "cp_world", "stream_sizes"]
 
 
 def cp_config_of(parallel_config: Any) -> Any | None:
@@ -80,3 +83,13 @@ def cp_groups(parallel_config: Any) -> CPGroups | None:
     return CPGroups(
         ulysses, ring, ulysses_group, ring_group, cp_group, bool(getattr(cp, "ulysses_anything", False))
     )
+
+
+def stream_sizes(parallel_config: Any, counts: list[int], device: torch.device) -> list[list[int]]:
+    """Every context-parallel rank's local lengths of the streams (``counts`` = this rank's), one list per
+    stream; ``[[c] for c in counts]`` without context parallelism. One small all-gather."""
+    groups = cp_groups(parallel_config)
+    if groups is None:
+        return [[c] for c in counts]
+    table = gather_ints(counts, groups.cp_group, device)
+    return [[row[i] for row in table] for i in range(len(counts))]

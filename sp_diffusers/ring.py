@@ -35,20 +35,21 @@ _NEG_INF = float("-inf")
 
 def _chunk_mask(
     mask: torch.Tensor | None,
-    chunk: int,
-    kv_len: int,
+    start: int,
+    length: int,
     causal_rows: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, bool]:
-    """The additive mask of K/V chunk ``chunk`` (``None`` = attend to all) and whether anything is visible.
+    """The additive mask of the K/V chunk holding keys ``[start, start + length)`` (``None`` = attend to all)
+    and whether anything is visible.
 
     ``mask`` is ``[b, h, q, k]`` over the whole key range (k = 1 broadcasts); bool masks become additive
     because the CPU flash kernel takes masks of the query's dtype.
     """
     if mask is not None and mask.shape[-1] != 1:
-        mask = mask[..., chunk * kv_len : (chunk + 1) * kv_len]
+        mask = mask[..., start : start + length]
     if causal_rows is not None:
-        cols = torch.arange(chunk * kv_len, (chunk + 1) * kv_len, device=causal_rows.device)
+        cols = torch.arange(start, start + length, device=causal_rows.device)
         allowed = cols[None, :] <= causal_rows[:, None]  # [q, k]
         if not bool(allowed.any()):
             return None, False
@@ -64,6 +65,20 @@ def _chunk_mask(
     else:
         mask = mask.to(dtype)
     return mask, True
+
+
+class _Chunks:
+    """Where each ring rank's K/V chunk lies in the global key range (chunks may differ in length)."""
+
+    def __init__(self, sizes: list[int] | None, size: int, kv_len: int) -> None:
+        self.sizes = sizes if sizes is not None else [kv_len] * size
+        self.starts = [sum(self.sizes[:j]) for j in range(size)]
+        self.uneven = sizes is not None and len(set(sizes)) > 1
+
+    def buffer_like(self, t: torch.Tensor, chunk: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An empty ``[2, B, H, len(chunk), D]`` buffer (the next hop's chunk may be another length)."""
+        shape = (*t.shape[:3], self.sizes[chunk], t.shape[-1])
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
 
 
 def _use_cpu_flash(t: torch.Tensor) -> bool:
@@ -156,10 +171,13 @@ class _RingAttention(torch.autograd.Function):
         scale: float,
         is_causal: bool,
         group: dist.ProcessGroup,
+        kv_sizes: list[int] | None,
+        q_start: int,
     ) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         q_len, kv_len = q.shape[2], k.shape[2]
-        causal_rows = torch.arange(q_len, device=q.device) + rank * q_len if is_causal else None
+        causal_rows = torch.arange(q_len, device=q.device) + q_start if is_causal else None
+        chunks = _Chunks(kv_sizes, size, kv_len)
         ring = _Ring(group)
         kv = torch.stack([k, v])  # one buffer per hop: [2, B, H, S_kv/R, D]
         spare = torch.empty_like(kv)
@@ -169,9 +187,13 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros((q_len, b, h, d), dtype=torch.float32, device=q.device).permute(1, 2, 0, 3)
         lse = torch.full(q.shape[:3], _NEG_INF, dtype=torch.float32, device=q.device)
         for step in range(size):
-            requests = ring.start(kv, spare) if step < size - 1 else []
             chunk = (rank - step) % size
-            chunk_mask, visible = _chunk_mask(mask, chunk, kv_len, causal_rows, q.dtype)
+            if chunks.uneven:
+                spare = chunks.buffer_like(kv, (chunk - 1) % size)
+            requests = ring.start(kv, spare) if step < size - 1 else []
+            chunk_mask, visible = _chunk_mask(
+                mask, chunks.starts[chunk], chunks.sizes[chunk], causal_rows, q.dtype
+            )
             if visible:
                 o_j, lse_j = _kernel_forward(q, kv[0], kv[1], chunk_mask, scale)
                 new_lse = torch.logaddexp(lse, lse_j)
@@ -187,6 +209,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
         ctx.has_mask, ctx.scale, ctx.is_causal, ctx.group = mask is not None, scale, is_causal, group
+        ctx.kv_sizes, ctx.q_start = kv_sizes, q_start
         return out
 
     @staticmethod
@@ -196,7 +219,8 @@ class _RingAttention(torch.autograd.Function):
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         q_len, kv_len = q.shape[2], k.shape[2]
-        causal_rows = torch.arange(q_len, device=q.device) + rank * q_len if ctx.is_causal else None
+        causal_rows = torch.arange(q_len, device=q.device) + ctx.q_start if ctx.is_causal else None
+        chunks = _Chunks(ctx.kv_sizes, size, kv_len)
         ring = _Ring(group)
         kv, kv_spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
         # dK/dV accumulate in fp32 while they travel: R partial sums, low-precision inputs would lose bits
@@ -204,9 +228,14 @@ class _RingAttention(torch.autograd.Function):
         dkv_spare = torch.empty_like(dkv)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         for step in range(size):
-            requests = ring.start(kv, kv_spare) if step < size - 1 else []
             chunk = (rank - step) % size
-            chunk_mask, visible = _chunk_mask(mask, chunk, kv_len, causal_rows, q.dtype)
+            if chunks.uneven:
+                kv_spare = chunks.buffer_like(kv, (chunk - 1) % size)
+                dkv_spare = chunks.buffer_like(dkv, (chunk - 1) % size)
+            requests = ring.start(kv, kv_spare) if step < size - 1 else []
+            chunk_mask, visible = _chunk_mask(
+                mask, chunks.starts[chunk], chunks.sizes[chunk], causal_rows, q.dtype
+            )
             if visible:
                 dq_j, dk_j, dv_j = _kernel_backward(dout, q, kv[0], kv[1], out, lse, chunk_mask, ctx.scale)
                 dq += dq_j
@@ -218,7 +247,7 @@ class _RingAttention(torch.autograd.Function):
             _Ring.wait(dkv_requests)
             kv, kv_spare = kv_spare, kv
             dkv, dkv_spare = dkv_spare, dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(
@@ -229,6 +258,8 @@ def ring_attention(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    kv_sizes: list[int] | None = None,
+    q_start: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's query segment over every rank's K/V segment, streamed around a ring.
 
@@ -236,6 +267,9 @@ def ring_attention(
     ``[B, H, S_q/R, D]``. ``attn_mask`` is SDPA-shaped ``[b, h, S_q/R, S_kv]`` over the *whole* key range
     (a key dim of 1 broadcasts); ``is_causal`` aligns global query ``i`` with global key ``i`` (segments in
     ring-rank order). Gradients flow to query, key and value, not to the mask. No dropout.
+
+    Segments may differ in length: ``kv_sizes`` lists every ring rank's K/V length (None: all equal) and
+    ``q_start`` is the global position of this rank's first query (default ``rank * S_q/R``).
     """
     if key.shape != value.shape:
         raise ValueError(
@@ -249,4 +283,8 @@ def ring_attention(
         )
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return _RingAttention.apply(query, key, value, attn_mask, float(scale), bool(is_causal), group)
+    if q_start is None:
+        q_start = dist.get_rank(group) * query.shape[2]
+    return _RingAttention.apply(
+        query, key, value, attn_mask, float(scale), bool(is_causal), group, kv_sizes, int(q_start)
+    )

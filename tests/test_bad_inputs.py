@@ -335,7 +335,7 @@ DISTRIBUTED_WORDS = {
     "config:mesh_without_ulysses": ["('sp',)", "'ulysses'", "build_device_mesh"],
     "config:mesh_size_mismatch": ["'ulysses' has size 4", "ulysses_degree=2"],
     # engine (4 ranks, SP = 2)
-    "engine:image_tokens_not_divisible": ["latents has 9 tokens", "SP degree 2", "fix"],
+    "engine:unknown_setting": ["ulysses_sequence_paralel_size", "closest", "ulysses_sequence_parallel_size"],
     "engine:divergent_sp_batches": ["SP peers disagree", "latents", "fix"],
     "engine:checkpoint_other_layout": ["dp=2 x ring=1 x ulysses=2", "dp=1 x ring=1 x ulysses=4", "fix"],
 }

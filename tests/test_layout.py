@@ -18,6 +18,8 @@ FLOORS = {
     "sp_diffusers.padding": 0,
     "sp_diffusers.launch": 0,
     "sp_diffusers.model_kinds": 0,
+    "sp_diffusers.handshake": 0,
+    "sp_diffusers.masks": 0,
     "sp_diffusers.attention": 1,
     "sp_diffusers.registry": 2,
     "sp_diffusers.compat": 2,

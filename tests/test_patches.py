@@ -21,6 +21,7 @@ AFFECTED = {
     "qwenimage_joint_mask": lambda m: (0, 37) <= m <= (0, 38),
     "backend_leak": lambda m: m >= (0, 37),
     "native_ulysses": lambda m: True,
+    "uneven_sharding": lambda m: True,
 }
 
 

@@ -1,4 +1,4 @@
-"""Batches for an SP group: ragged text padded to the SP degree, on the device, identical on every SP rank."""
+"""Batches for an SP group: ragged text made dense, on the device, identical on every SP rank."""
 
 from __future__ import annotations
 
@@ -20,23 +20,13 @@ TEXT_KEYS = (
 )
 
 
-def prepare_batch(
-    engine: FSDPEngine, batch: dict[str, Any], image_keys: tuple[str, ...] = ("latents",)
-) -> dict[str, Any]:
-    """Dense, SP-aligned, on-device, identical on every SP rank (see ``FSDPEngine.prepare_batch``)."""
-    sp = engine.sp_size
+def prepare_batch(engine: FSDPEngine, batch: dict[str, Any]) -> dict[str, Any]:
+    """Dense, on-device, identical on every SP rank (see ``FSDPEngine.prepare_batch``)."""
+    multiple = engine.sp_size if engine.settings.pad_text_to_degree else 1
     out = dict(batch)
     for emb_key, mask_key in TEXT_KEYS:
         if emb_key in out and out[emb_key] is not None:
-            out[emb_key], out[mask_key] = pad_text_batch(out[emb_key], out.get(mask_key), sp, emb_key)
-    for key in image_keys:
-        value = out.get(key)
-        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] % sp:
-            raise ValueError(
-                f"{key} has {value.shape[1]} tokens, not divisible by the SP degree {sp}; fix: "
-                f"choose an image/video size whose token count is a multiple of {sp}, or lower "
-                "ulysses_sequence_parallel_size"
-            )
+            out[emb_key], out[mask_key] = pad_text_batch(out[emb_key], out.get(mask_key), multiple, emb_key)
     out = {k: (v.to(engine.device) if torch.is_tensor(v) else v) for k, v in out.items()}
     if engine.debug_checks:
         engine.verify_sp_consistency(out, "batch (before broadcast)")

@@ -244,17 +244,16 @@ class FSDPEngine:
         """Every tensor (and list of tensors) as the SP group's first rank has it."""
         return batches.broadcast_in_sp_group(self, tensors)
 
-    def prepare_batch(
-        self, batch: dict[str, Any], image_keys: tuple[str, ...] = ("latents",)
-    ) -> dict[str, Any]:
-        """Dense, SP-aligned, on-device, identical on every SP rank.
+    def prepare_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Dense, on-device, identical on every SP rank.
 
-        Ragged ``prompt_embeds`` / ``prompt_embeds_mask`` (and the negative ones for CFG) are padded to
-        the batch maximum and then to a multiple of the SP degree (pad 0, mask False). Image/video token
-        counts (``image_keys``, ``[B, L, C]``) must divide the SP degree. Then the SP group's first rank
-        broadcasts the batch, so its peers cannot drift; with ``debug_checks`` a checksum verifies it.
+        Ragged ``prompt_embeds`` / ``prompt_embeds_mask`` (and the negative ones for CFG) are padded to the
+        batch maximum (pad 0, mask False), and to a multiple of the SP degree when the settings'
+        ``pad_text_to_degree`` asks for it: sequences of any length shard exactly, so that is an option, not
+        a need. Then the SP group's first rank broadcasts the batch, so its peers cannot drift; with
+        ``debug_checks`` a checksum verifies it.
         """
-        return batches.prepare_batch(self, batch, image_keys)
+        return batches.prepare_batch(self, batch)
 
     def verify_sp_consistency(self, tensors: dict[str, Any], what: str = "batch") -> None:
         """Raise ``SPDivergenceError`` when SP peers hold different values (cheap checksum, one collective)."""

@@ -51,6 +51,9 @@ class EngineSettings:
         activation_checkpointing: recompute block activations in backward (``enable_gradient_checkpointing``).
         attention_backend: the diffusers attention backend (``ulysses_sdpa``, or ``native`` after install()).
         debug_checks: verify with a checksum that SP peers see the same batch, and raise on divergence.
+        pad_text_to_degree: ``prepare_batch`` pads text to a multiple of the SP degree (else to the batch
+            maximum only: any length shards exactly, and a model without a text mask, such as Wan, attends
+            to padding, so padding only under SP would change its result).
         device: the compute device (None: ``cuda:LOCAL_RANK`` with a GPU, else the CPU).
     """
 
@@ -63,6 +66,7 @@ class EngineSettings:
     activation_checkpointing: bool = False
     attention_backend: str = BACKEND_NAME
     debug_checks: bool = False
+    pad_text_to_degree: bool = False
     device: Any = None
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ def engine_settings(config: TrainConfig) -> EngineSettings:
         mixed_precision=p.mixed_precision or None,
         activation_checkpointing=p.activation_checkpointing,
         debug_checks=p.debug_checks,
+        pad_text_to_degree=p.pad_text_to_degree,
     )
 
 
@@ -78,7 +79,8 @@ def run_sigmas(config: TrainConfig) -> torch.Tensor:
 def check_run(
     config: TrainConfig, model: torch.nn.Module, text_encoder: Any, adapter: Any, sp_size: int
 ) -> None:
-    """What only the assembled parts can tell: text width vs the model, tokens vs the SP degree, the window."""
+    """What only the assembled parts can tell: text width vs the model, enough tokens for the SP degree, the
+    window (token counts need not divide the degree: uneven shards are exact)."""
     c, g = config, config.flowgrpo
     text_dim = getattr(model.config, "joint_attention_dim", None)
     if text_dim is not None and text_dim != text_encoder.hidden_size:
@@ -88,10 +90,10 @@ def check_run(
             f"joint_attention_dim is {text_dim}; fix: use the pipeline that matches the transformer, or set "
             f"text.hidden_size={text_dim}"
         )
-    if adapter.tokens % sp_size:
+    if adapter.tokens < sp_size:
         raise ValueError(
-            f"model.image_size={c.model.image_size} gives {adapter.tokens} image tokens, not divisible by "
-            f"the SP degree {sp_size}; fix: pick an image_size whose token count is a multiple of it"
+            f"model.image_size={c.model.image_size} gives {adapter.tokens} image tokens, fewer than the SP degree "
+            f"{sp_size}; fix: a larger image_size, or a lower parallel.ulysses_sequence_parallel_size"
         )
     lo, hi = g.window_range
     if not (0 <= lo < hi <= g.num_steps - g.window_size + 1):

@@ -47,6 +47,7 @@ class ParallelConfig:
     mixed_precision: str = ""  # "" (fp32) or "bf16"
     activation_checkpointing: bool = False
     debug_checks: bool = False
+    pad_text_to_degree: bool = False  # pad prompts to a multiple of the SP degree (any length shards exactly)
 
 
 @dataclass

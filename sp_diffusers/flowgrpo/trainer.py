@@ -196,7 +196,7 @@ class FlowGRPOTrainer:
     def train_iteration(self, iteration: int) -> dict[str, Any]:
         start = time.perf_counter()
         # token counts were checked against the SP degree through the adapter (latent layouts differ)
-        batch = self.engine.prepare_batch(self.iteration_batch(iteration), image_keys=())
+        batch = self.engine.prepare_batch(self.iteration_batch(iteration))
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
         metrics.update(stats)

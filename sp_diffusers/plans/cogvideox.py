@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..cp_groups import cp_world
-from ._joint import check_streams_divide, text_key_mask
+from ._joint import stream_sizes, text_key_mask
 from ._registry import register_plan
 
 __all__ = ["CogVideoXJointAttnProcessor"]
@@ -62,8 +62,11 @@ class CogVideoXJointAttnProcessor:
             mask = attn.prepare_attention_mask(attention_mask, length, batch)
             mask = mask.view(batch, attn.heads, -1, mask.shape[-1])
         elif encoder_hidden_states_mask is not None:
+            text_sizes, video_sizes = stream_sizes(
+                self._parallel_config, [text_local, video_local], hidden_states.device
+            )
             mask = text_key_mask(
-                encoder_hidden_states_mask, text_local, video_local, world, True, type(self).__name__
+                encoder_hidden_states_mask, text_sizes, video_sizes, True, type(self).__name__
             )
 
         query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))  # [B, S, H, D]
@@ -137,14 +140,6 @@ def _prepare_cogvideox(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, Attention) and type(module.processor) is CogVideoXAttnProcessor2_0:
             module.set_processor(CogVideoXJointAttnProcessor())
-    if not len(model.transformer_blocks):
-        return
-    check_streams_divide(
-        model.transformer_blocks[0],
-        type(model).__name__,
-        "pass the mask as attention_kwargs={'encoder_hidden_states_mask': mask} (CogVideoX-2b's sincos "
-        "positions fix the text length at max_text_seq_length: there, choose a degree that divides it)",
-    )
 
 
 register_plan("CogVideoXTransformer3DModel", _cogvideox_plan, _prepare_cogvideox)

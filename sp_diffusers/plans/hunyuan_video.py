@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..cp_groups import cp_groups, cp_world
-from ._joint import block_parallel_config, bound_args, check_streams_divide, to_all_to_all_order
+from ._joint import block_parallel_config, bound_args, stream_sizes, to_all_to_all_order
 from ._registry import register_plan
 
 __all__ = ["HunyuanVideoJointAttnProcessor"]
@@ -42,10 +42,18 @@ class HunyuanVideoJointAttnProcessor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 
-        world = cp_world(self._parallel_config)
-        if attention_mask is not None and encoder_hidden_states is not None and world > 1:
+        if (
+            attention_mask is not None
+            and encoder_hidden_states is not None
+            and cp_world(self._parallel_config) > 1
+        ):
+            video, text = stream_sizes(
+                self._parallel_config,
+                [hidden_states.shape[1], encoder_hidden_states.shape[1]],
+                hidden_states.device,
+            )
             attention_mask = self._in_all_to_all_order(
-                attention_mask, hidden_states.shape[1], encoder_hidden_states.shape[1], world
+                attention_mask, video, text, cp_groups(self._parallel_config).cp_rank
             )
         # diffusers' processor reads only _attention_backend / _parallel_config from self: run it as ours
         return HunyuanVideoAttnProcessor2_0.__call__(
@@ -54,23 +62,24 @@ class HunyuanVideoJointAttnProcessor:
 
     @staticmethod
     def _in_all_to_all_order(
-        mask: torch.Tensor, video_local: int, text_local: int, world: int
+        mask: torch.Tensor, video: list[int], text: list[int], rank: int
     ) -> torch.Tensor:
-        """Global stream-order mask (key dim ``P * (N/P + T/P)``) -> all-to-all key order; a local-length mask
-        (``N/P + T/P``, this rank's keys) is left for the backend to all-gather, which yields that order."""
-        local, full = video_local + text_local, world * (video_local + text_local)
-        if mask.shape[-1] == local:
+        """Global stream-order mask (key dim ``N + T``) -> all-to-all key order; a local-length mask (this
+        rank's ``video[rank] + text[rank]`` keys) is left for the backend to all-gather, which yields that
+        order. ``video``/``text``: every rank's lengths of the two streams."""
+        local, full = video[rank] + text[rank], sum(video) + sum(text)
+        if mask.shape[-1] == local and local != full:
             return mask
         if mask.shape[-1] != full:
             raise ValueError(
                 f"HunyuanVideoJointAttnProcessor: attention_mask has {mask.shape[-1]} keys, expected {full} "
-                f"(global: {world} ranks x ({video_local} video + {text_local} text)) or {local} (this rank's); "
+                f"(global: {sum(video)} video + {sum(text)} text) or {local} (this rank's); "
                 "fix: pass HunyuanVideoTransformer3DModel an encoder_attention_mask [B, T] of the (padded) text, "
                 "and split the streams with sp_diffusers' HunyuanVideo plan"
             )
-        mask = to_all_to_all_order(mask, -1, video_local, text_local, world)
+        mask = to_all_to_all_order(mask, -1, video, text)
         if mask.dim() >= 2 and mask.shape[-2] == full:  # a [.., S_q, S_kv] mask: queries are ordered likewise
-            mask = to_all_to_all_order(mask, -2, video_local, text_local, world)
+            mask = to_all_to_all_order(mask, -2, video, text)
         return mask
 
 
@@ -78,8 +87,8 @@ def _local_first_frame_tokens(block: torch.nn.Module, args: tuple, kwargs: dict)
     """Forward pre-hook of HunyuanVideo's token-replace blocks (I2V, ``image_condition_type="token_replace"``).
 
     Those blocks modulate the first ``num_tokens`` video tokens (the first latent frame) differently from the
-    rest. Under a sequence split this rank holds global video tokens ``[r * N/P, (r + 1) * N/P)``, so its
-    first-frame count is ``clamp(num_tokens - r * N/P, 0, N/P)``. ``N/P`` is read from the RoPE tables, which
+    rest. Under a sequence split this rank holds global video tokens ``[start_r, start_r + N_r)``, so its
+    first-frame count is ``clamp(num_tokens - start_r, 0, N_r)``. ``N_r`` is read from the RoPE tables, which
     the plan splits before any block runs (the block's own ``hidden_states`` is still global at block 0).
     """
     groups = cp_groups(block_parallel_config(block))
@@ -90,9 +99,10 @@ def _local_first_frame_tokens(block: torch.nn.Module, args: tuple, kwargs: dict)
     num_tokens = bound.get("num_tokens")
     if rope is None or num_tokens is None:
         return None
-    video_local = rope[0].shape[0]  # [N/P, D] after the plan's split of the RoPE module's output
-    rank = groups.cp_rank
-    local = min(max(int(num_tokens) - rank * video_local, 0), video_local)
+    video_local = rope[0].shape[0]  # [N_r, D] after the plan's split of the RoPE module's output
+    (sizes,) = stream_sizes(block_parallel_config(block), [video_local], rope[0].device)
+    start = sum(sizes[: groups.cp_rank])
+    local = min(max(int(num_tokens) - start, 0), video_local)
     index = names.index("num_tokens")
     if index < len(args):
         args = (*args[:index], local, *args[index + 1 :])
@@ -132,8 +142,6 @@ def _prepare_hunyuan_video(model: torch.nn.Module) -> None:
     if not len(model.transformer_blocks) and type(model)._cp_plan is not None:
         # no dual-stream block: this model's streams first meet in a single-stream block (same inputs)
         model._cp_plan = _hunyuan_video_plan("single_transformer_blocks.0")
-    if blocks:
-        check_streams_divide(blocks[0], type(model).__name__, "pass its mask as encoder_attention_mask")
     for module in model.modules():
         if isinstance(module, Attention) and type(module.processor) is HunyuanVideoAttnProcessor2_0:
             module.set_processor(HunyuanVideoJointAttnProcessor())

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from ..cp_groups import cp_world
-from ._joint import text_key_mask
+from ._joint import stream_sizes, text_key_mask
 from ._registry import register_plan
 
 __all__ = ["SD3JointAttnProcessor"]
@@ -72,13 +71,11 @@ class SD3JointAttnProcessor:
             key = torch.cat([key, text_k], dim=1)
             value = torch.cat([value, text_v], dim=1)
             if encoder_hidden_states_mask is not None:
+                text_sizes, image_sizes = stream_sizes(
+                    self._parallel_config, [encoder_hidden_states.shape[1], image_tokens], query.device
+                )
                 mask = text_key_mask(
-                    encoder_hidden_states_mask,
-                    encoder_hidden_states.shape[1],
-                    image_tokens,
-                    cp_world(self._parallel_config),
-                    text_first=False,
-                    processor=type(self).__name__,
+                    encoder_hidden_states_mask, text_sizes, image_sizes, False, type(self).__name__
                 )
         out = dispatch_attention_fn(
             query,

@@ -181,12 +181,23 @@ def _errors(out, sp_in, ref, ref_in, cp_rank: int, cp_world: int) -> dict[str, f
     return errs
 
 
-def _compare_cases(config, cp_rank: int, cp_world: int, kv_heads_multiple: int = 1) -> dict:
-    """Every case: the sharded op on this rank's slice vs full-sequence SDPA; max errors per case."""
+def _uneven(c: dict) -> dict:
+    """The case at lengths that divide no degree > 1: S_q - 3 and S_kv - 1 (e.g. 13 / 15 at P = 2, split
+    [7, 6] / [8, 7]; 29 / 31 at P = 4), so ranks hold different query and key counts."""
+    return {**c, "S_q": c["S_q"] - 3, "S_kv": c["S_kv"] - 1, "name": f"uneven:{c['name']}"}
+
+
+def _compare_cases(
+    config, cp_rank: int, cp_world: int, kv_heads_multiple: int = 1, uneven: bool = True
+) -> dict:
+    """Every case, at even lengths and (``uneven``) at lengths that do not divide the degree: the sharded op
+    on this rank's slice vs full-sequence SDPA; max errors per case."""
     from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
 
     results: dict[str, dict[str, float]] = {}
-    for i, c in enumerate(_cases(cp_world)):
+    cases = _cases(cp_world)
+    cases += [_uneven(c) for c in cases] if uneven else []
+    for i, c in enumerate(cases):
         if c["H_kv"] % kv_heads_multiple:
             continue
         q, k, v, dout = _case_tensors(100 + i, c["B"], c["S_q"], c["S_kv"], c["H"], c["H_kv"], c["D"])
@@ -332,3 +343,66 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
         "no_dropout_matches_reference": max_err(plain, shard(ref, 1, cp_rank, cp_world)),
     }
     return results
+
+
+def rank_mismatches(rank: int, world: int) -> dict:
+    """The ranks of one SP group call attention with disagreeing inputs: every rank must raise the same
+    error promptly (the handshake), none may wait in a collective. Also the edge lengths that do work."""
+    import time
+
+    from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
+
+    config = ulysses_parallel_config(world)
+    S, H, D = 4 * world, 2 * world, 8
+    q = torch.randn(2, S // world, H, D)
+    mine = rank == 0
+
+    def call(query=q, key=q, attn_mask=None, **kw):
+        return ulysses_sdpa_attention(query, key, key, attn_mask=attn_mask, _parallel_config=config, **kw)
+
+    def both(x):  # query = key = value: a consistent call on each rank, inconsistent across ranks
+        return call(x, x)
+
+    cases = {
+        "mask_on_one_rank": lambda: call(attn_mask=torch.ones(2, S, dtype=torch.bool) if mine else None),
+        "global_vs_local_mask": lambda: call(
+            attn_mask=torch.ones(2, S if mine else S // world, dtype=torch.bool)
+        ),
+        "causal_on_one_rank": lambda: call(is_causal=mine),
+        "batch_differs": lambda: both(torch.randn(3 if mine else 2, S // world, H, D)),
+        "heads_differ": lambda: both(torch.randn(2, S // world, 2 * H if mine else H, D)),
+        "head_dim_differs": lambda: both(torch.randn(2, S // world, H, 2 * D if mine else D)),
+        "dtype_differs": lambda: call(q.double() if mine else q, q.double() if mine else q),
+        "scale_differs": lambda: call(scale=0.5 if mine else None),
+        "local_error_on_one_rank": lambda: call(q.flatten(2) if mine else q),
+    }
+    out: dict = {}
+    for name, fn in cases.items():
+        start = time.perf_counter()
+        try:
+            fn()
+            out[name] = {"message": None}
+        except ValueError as err:
+            out[name] = {"message": str(err), "type": type(err).__name__}
+        out[name]["seconds"] = time.perf_counter() - start
+        dist.barrier()
+
+    # One token over `world` ranks: ranks 1.. hold none; and an empty batch. Both must equal one process.
+    for name, (b, s) in {"one_token": (2, 1), "empty_batch": (0, S)}.items():
+        g = torch.Generator().manual_seed(5)
+        full = [torch.randn(b, s, H, D, generator=g) for _ in range(3)]
+        ref_in = [t.clone().requires_grad_(True) for t in full]
+        ref = local_sdpa_attention(*ref_in)
+        ref.sum().backward()
+        sp_in = [shard(t, 1, rank, world).clone().requires_grad_(True) for t in full]
+        try:
+            got = ulysses_sdpa_attention(*sp_in, _parallel_config=config)
+            got.sum().backward()
+            out[name] = {
+                "out": max_err(got, shard(ref, 1, rank, world)),
+                "dq": max_err(sp_in[0].grad, shard(ref_in[0].grad, 1, rank, world)),
+            }
+        except Exception as err:  # reported, the parent asserts
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+        dist.barrier()
+    return out

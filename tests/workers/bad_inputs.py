@@ -80,8 +80,10 @@ def bad_inputs(rank: int, world: int) -> dict:
     engine = sp_diffusers.FSDPEngine(
         tiny_model("qwenimage", num_layers=1), ulysses_sequence_parallel_size=2, debug_checks=True
     )
-    out["engine:image_tokens_not_divisible"] = _catch(
-        lambda: engine.prepare_batch({"latents": torch.zeros(1, 9, 16)})
+    out["engine:unknown_setting"] = _catch(
+        lambda: sp_diffusers.FSDPEngine(
+            tiny_model("qwenimage", num_layers=1), ulysses_sequence_paralel_size=2
+        )
     )
     out["engine:divergent_sp_batches"] = _catch(
         lambda: engine.prepare_batch({"latents": torch.full((1, 4, 16), float(rank))})

@@ -20,8 +20,15 @@ def ulysses_parallel_config(ulysses_degree: int, ring_degree: int = 1, mesh=None
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|; tensors of different shapes are infinitely apart, empty ones of one shape agree."""
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
     return (a.detach().double() - b.detach().double()).abs().max().item()
 
 
 def shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
-    return x.chunk(world, dim=dim)[rank]
+    """This rank's piece of ``x`` along ``dim``: ``tensor_split``, diffusers' and sp-diffusers' rule for
+    lengths that do not divide the degree (equal to ``chunk`` when they do)."""
+    return x.tensor_split(world, dim=dim)[rank]

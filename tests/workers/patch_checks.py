@@ -248,6 +248,39 @@ def check_mesh_injection(world: int) -> dict:
     return {"defect": defect, "fixed": err < 1e-4, "dp_sp_err": err}
 
 
+def check_uneven_sharding(world: int) -> dict:
+    """A tiny Flux with 7 text tokens and 3 x 3 image tokens: no length divides the degree."""
+    from sp_diffusers.patches import uneven_sharding as patch
+
+    from sp_diffusers.tiny import tiny_inputs
+
+    model, reference = _sp_model("flux", "ulysses_sdpa", world)
+    inputs = tiny_inputs("flux", model, batch=2, seed=3, text_len=7, image_hw=(3, 3))
+    ref = reference(**inputs, return_dict=False)[0]
+    was_applied = patch.is_applied()
+    patch.revert()
+    _, defect = _try(lambda: model(**inputs, return_dict=False)[0])
+    if was_applied:
+        patch.apply()
+    out = model(**inputs, return_dict=False)[0]
+    weight = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
+    (ref * weight).mean().backward()  # mean: O(1) gradients, the model-parity tolerance applies
+    (out * weight).mean().backward()
+    grad_err = 0.0
+    for (_, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)  # the gradient contract: the SUM over the SP group
+        g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
+        grad_err = max(grad_err, (g - g_ref).abs().sub(1e-4 * g_ref.abs()).max().item())
+    out_err = (out - ref).abs().sub(1e-4 * ref.abs()).max().item()
+    return {
+        "defect": defect,
+        "fixed": out_err <= 1e-5 and grad_err <= 1e-5 and type(out) is torch.Tensor,
+        "out_err": out_err,
+        "grad_err": grad_err,
+    }
+
+
 CHECKS = {
     "cpu_device_count": check_cpu_device_count,
     "root_hook_return_dict": check_root_hook_return_dict,
@@ -255,6 +288,7 @@ CHECKS = {
     "backend_leak": check_backend_leak,
     "native_ulysses": check_native_ulysses,
     "mesh_injection": check_mesh_injection,
+    "uneven_sharding": check_uneven_sharding,
 }
 
 

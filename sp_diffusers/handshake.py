@@ -1,0 +1,138 @@
+"""What the ranks of a sequence-parallel group agree on before an attention call moves any data.
+
+Every collective of the Ulysses exchange assumes its peers call it with matching arguments: a rank with a
+mask while its peer has none, another batch or head count, ``is_causal`` on one rank only, or a local error
+that one rank raises while the others enter the all-to-all, would hang the group or silently mix two
+different attentions. So each call starts with one small all-gather of what each rank is about to do
+(shapes, dtype, mask form, flags, its local error if any): every rank then sees the same table and either
+proceeds, with every rank's sequence lengths (uneven shards need them for the split sizes), or raises the
+same error, naming the input, the ranks and their values.
+
+One collective of ~20 integers per attention call: ~1 ms on gloo against ~800 ms for the attention at
+S = 4096 (0.1%); on NCCL it costs a host sync per call.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import gather_ints
+
+__all__ = ["CallLayout", "SPCallMismatch", "agree"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
+# field name -> (what it is, the fix when ranks disagree)
+_MUST_AGREE = {
+    "batch": ("the batch size of query", "every rank of an SP group must run the same micro-batch"),
+    "heads": ("the number of query heads", "every rank must run the same model"),
+    "kv_heads": ("the number of key/value heads", "every rank must run the same model"),
+    "head_dim": ("the head dim", "every rank must run the same model"),
+    "dtype": ("the dtype of query/key/value", "cast every rank's inputs to one dtype"),
+    "mask": (
+        "whether attn_mask is given, its shape form and dtype",
+        "pass the same kind of mask on every rank",
+    ),
+    "is_causal": ("is_causal", "pass the same is_causal on every rank"),
+    "dropout_p": ("dropout_p", "pass the same dropout_p on every rank"),
+    "scale": ("scale", "pass the same scale on every rank"),
+}
+
+
+class SPCallMismatch(ValueError):
+    """The ranks of an SP group called attention with disagreeing inputs (raised on every rank)."""
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Every rank's local lengths, in the context-parallel group's rank order, and the mask's raw shapes."""
+
+    q_sizes: list[int]
+    kv_sizes: list[int]
+    mask_shapes: list[tuple[int, ...]] | None  # each rank's attn_mask shape (None: no mask anywhere)
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.q_sizes)) > 1 or len(set(self.kv_sizes)) > 1
+
+
+def _float_bits(x: float | None) -> int:
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else 100 + hash(str(dtype)) % 1000
+
+
+def agree(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    scale: float | None,
+    local_error: str | None,
+    group: dist.ProcessGroup,
+) -> CallLayout:
+    """One all-gather over ``group``: raise the same error on every rank when any rank failed locally or the
+    ranks disagree; else every rank's lengths. ``query``/``key`` are ``[B, S_local, H, D]`` (4-D when
+    ``local_error`` is None)."""
+    four_d = query.dim() == 4 and key.dim() == 4
+    mask_shape = list(attn_mask.shape) if attn_mask is not None else []
+    row = [
+        int(local_error is not None),
+        *(query.shape[:1] if four_d else [-1]),
+        query.shape[1] if four_d else -1,
+        key.shape[1] if four_d else -1,
+        query.shape[2] if four_d else -1,
+        key.shape[2] if four_d else -1,
+        query.shape[3] if four_d else -1,
+        _code(query.dtype),
+        len(mask_shape) if attn_mask is not None else -1,
+        *(mask_shape + [0] * (4 - len(mask_shape)))[:4],
+        _code(attn_mask.dtype) if attn_mask is not None else -1,
+        int(bool(is_causal)),
+        _float_bits(dropout_p),
+        _float_bits(scale),
+    ]
+    table = gather_ints(row, group, query.device)
+    ranks = dist.get_process_group_ranks(group)
+    failed = [i for i, r in enumerate(table) if r[0]]
+    if failed:
+        messages: list[str | None] = [None] * len(table)
+        dist.all_gather_object(messages, local_error, group=group)
+        details = "; ".join(f"rank {ranks[i]}: {messages[i]}" for i in failed)
+        raise SPCallMismatch(
+            f"ulysses_sdpa: {len(failed)} rank(s) of the SP group refused the call: {details}"
+        )
+    columns = {
+        "batch": [r[1] for r in table],
+        "heads": [r[4] for r in table],
+        "kv_heads": [r[5] for r in table],
+        "head_dim": [r[6] for r in table],
+        "dtype": [str(_DTYPES[r[7]]) if r[7] < len(_DTYPES) else r[7] for r in table],
+        "mask": [
+            "none" if r[8] < 0 else f"{r[8]}-D {'bool' if r[13] == _DTYPES.index(torch.bool) else 'additive'}"
+            for r in table
+        ],
+        "is_causal": [bool(r[14]) for r in table],
+        "dropout_p": [r[15] for r in table],
+        "scale": [r[16] for r in table],
+    }
+    for name, values in columns.items():
+        if len({str(v) for v in values}) > 1:
+            what, fix = _MUST_AGREE[name]
+            shown = values
+            if name in ("dropout_p", "scale"):
+                shown = [None if v == -1 else struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
+            per_rank = ", ".join(f"rank {ranks[i]}: {v}" for i, v in enumerate(shown))
+            raise SPCallMismatch(
+                f"ulysses_sdpa: the ranks of the SP group disagree on {what} ({per_rank}); fix: {fix}"
+            )
+    mask_shapes = None
+    if table[0][8] >= 0:
+        mask_shapes = [tuple(r[9 : 9 + r[8]]) for r in table]
+    return CallLayout([r[2] for r in table], [r[3] for r in table], mask_shapes)
