@@ -99,10 +99,10 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
                     trainer.adapter,
                     traj.latents[:, k],
                     traj.latents[:, k + 1],
-                    trainer.sigmas,
+                    trainer.schedule,
                     traj.window_start + k,
                     trainer._cond(batch),
-                    trainer.config.flowgrpo.noise_level,
+                    trainer.rule,
                     1.0,
                 ).log_prob
                 for k in range(W)
