@@ -11,9 +11,12 @@ tokens = frames x (size / 2)^2 (patch (1, 2, 2)): the default 16 x 32 x 32 = 163
   diffusers ships it (this benchmark reverts sp_diffusers' ``native_ulysses`` patch), FSDP's default MEAN
   over all ranks and the loss multiplied by the SP degree by hand, as verl-omni's diffusers engine does.
 
-One run, interleaved: a persistent 2-rank group (ours, verl-omni-style) and a persistent 1-rank group take
-turns, commanded by this parent process, so every repetition times each variant once under the same machine
-conditions; the idle group waits on a queue (no CPU). Medians of ``--repeats``; then one profiled pass each
+One run, interleaved: a persistent 2-rank group (ours, verl-omni-style) and two persistent 1-rank processes
+take turns, commanded by this parent process, so every repetition times each variant once under the same machine
+conditions; the idle ones wait on a queue (no CPU). The two 1-rank processes run the one-process update at the
+same time (as ``benchmarks/scaling.py`` measures T1): every variant then keeps both cores busy, so the baseline
+sees the same load as SP does (on a shared 2-core box a lone process would get a core, memory bandwidth and
+cache to itself); E = T1 / (2 T2). Medians of ``--repeats``; then one profiled pass each
 for the peak memory per rank (above what is live before the update: the model and the trajectory excluded).
 Every variant runs the same update on the same data (one video, 2 window steps, on-policy old log-probs), so
 their gradient norms agree (reported: a wrong gradient contract would show there).
@@ -176,14 +179,17 @@ def run(args) -> dict:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         sp_out, one_out = ctx.Queue(), ctx.Queue()
-        sp_in, one_in = [ctx.Queue(), ctx.Queue()], [ctx.Queue()]
+        sp_in, one_in = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()]
         procs = [
             ctx.Process(target=_worker, args=(r, 2, f"{tmp}/sp", args, sp_in[r], sp_out)) for r in range(2)
-        ] + [ctx.Process(target=_worker, args=(0, 1, f"{tmp}/one", args, one_in[0], one_out))]
+        ] + [
+            ctx.Process(target=_worker, args=(0, 1, f"{tmp}/one{i}", args, one_in[i], one_out))
+            for i in range(2)
+        ]
         for p in procs:
             p.start()
         try:
-            for outbox, n in ((sp_out, 2), (one_out, 1)):  # both groups built and warmed up
+            for outbox, n in ((sp_out, 2), (one_out, 2)):  # every process built and warmed up
                 for _ in range(n):
                     _, name, payload = outbox.get(timeout=7200)
                     if name == "error":
