@@ -71,6 +71,7 @@ def _train(args: argparse.Namespace) -> int:
             f"engine: {engine_name}, ulysses_sequence_parallel_size={layout.ulysses}, ring_degree={layout.ring}",
             flush=True,
         )
+        print(f"algorithm: {config.flowgrpo.algorithm}; schedule: {trainer.schedule.source}", flush=True)
     history = trainer.run()
     if trainer.rank == 0 and history:
         n = min(5, len(history))

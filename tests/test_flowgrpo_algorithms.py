@@ -412,3 +412,20 @@ def test_dance_grpo_rollout_and_timestep_selection(tmp_path):
     torch.testing.assert_close(old, traj.rollout_log_probs(), atol=1e-6, rtol=0)
     metrics = trainer.update(batch, traj, adv, old)
     assert abs(metrics["ratio_mean"] - 1.0) <= 1e-6 and metrics["trained_samples"] == 8
+
+
+def test_bad_wan_and_text_keys_are_named():
+    from sp_diffusers.flowgrpo.build import build_text_encoder
+    from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
+    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.tiny import tiny_model
+
+    wan = tiny_model("wan", num_layers=1)
+    with pytest.raises(ValueError, match=r"model\.image_size=7 must be a multiple of the patch size"):
+        build_adapter(wan, 7, frames=2)
+    with pytest.raises(ValueError, match=r"model\.frames=0 must be a positive multiple"):
+        build_adapter(wan, 8, frames=0)
+    c = TrainConfig()
+    c.text.encoder = "t5"
+    with pytest.raises(ConfigError, match=r"text\.encoder='t5'.*'byte', 'umt5'"):
+        build_text_encoder(c, torch.device("cpu"))
