@@ -19,6 +19,7 @@ Building the parts from the config: ``build.py``; the policy update: ``update.py
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ class FlowGRPOTrainer:
         init_distributed()
         self.config = c = config
         check_algorithm(c)
+        # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
+        # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = model if model is not None else build_model(c)
         self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c))
