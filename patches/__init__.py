@@ -1,5 +1,5 @@
-"""One module per upstream diffusers defect; ``sp_diffusers.install()`` applies those the installed
-diffusers needs, in this order, and ``uninstall()`` reverts them in reverse.
+"""One module per upstream defect (diffusers, and verl-omni where it is installed); ``sp_diffusers.install()``
+applies those the installed code needs, in this order, and ``uninstall()`` reverts them in reverse.
 
 Each module has: a docstring (defect, affected versions, upstream reference), ``NAME``, ``AFFECTED``,
 ``UPSTREAM``, ``probe() -> Probe``, ``apply()``, ``revert()`` and ``is_applied()``; apply and revert are
@@ -16,6 +16,10 @@ from . import (
     qwenimage_joint_mask,
     root_hook_return_dict,
     uneven_sharding,
+    verl_omni_attn_backend,
+    verl_omni_cpu_engine,
+    verl_omni_min_diffusers,
+    verl_omni_qwen_mask,
 )
 from ._base import Probe
 
@@ -27,6 +31,12 @@ ALL_PATCHES = (
     qwenimage_joint_mask,
     backend_leak,
     native_ulysses,
+    # verl-omni's code, fixed when its modules are imported; after mesh_injection and qwenimage_joint_mask,
+    # whose state two of them read
+    verl_omni_attn_backend,
+    verl_omni_cpu_engine,
+    verl_omni_min_diffusers,
+    verl_omni_qwen_mask,
 )
 
 __all__ = ["ALL_PATCHES", "Probe"]

@@ -5,9 +5,10 @@ builds its own ``("ring", "ulysses")`` mesh over the *whole* world (``init_devic
 ring * ulysses < world) and ``ContextParallelConfig.setup`` flattens every dim of the mesh it gets. So
 DP x SP (FSDP over a shared mesh) is impossible.
 Affected: diffusers 0.36.x and 0.37.x. Upstream: fixed by the ``mesh=`` field in 0.38.0.
-Fix: ``sp_diffusers.context_parallel_config(..., mesh=mesh)`` stores the mesh on the config; inside
-``enable_parallelism`` diffusers' own mesh construction returns that mesh's ``("ring", "ulysses")``
-sub-mesh, which is then what ``setup`` flattens.
+Fix: ``ContextParallelConfig(..., mesh=mesh)`` is accepted as on 0.38 (the constructor stores the mesh
+on the config; so does ``sp_diffusers.context_parallel_config(..., mesh=mesh)``), so code written for
+0.38+ (verl-omni's engine, for one) runs unchanged; inside ``enable_parallelism`` diffusers' own mesh
+construction returns that mesh's ``("ring", "ulysses")`` sub-mesh, which is then what ``setup`` flattens.
 """
 
 from __future__ import annotations
@@ -47,11 +48,47 @@ def _init_device_mesh_returns(sub_mesh):
         device_mesh_module.init_device_mesh = original
 
 
+def check_mesh(mesh, ulysses_degree: int, ring_degree: int) -> None:
+    """The mesh must have ``ring`` and ``ulysses`` dims of the config's degrees (what 0.38+ requires)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    missing = [n for n in ("ring", "ulysses") if n not in names]
+    if missing:
+        raise ValueError(
+            f"ContextParallelConfig(mesh=...): the mesh has dims {names or '(unnamed)'} but needs 'ring' and "
+            f"'ulysses' (missing: {missing}); fix: build it with mesh_dim_names including both, e.g. "
+            "init_device_mesh(device, (dp, ring, ulysses), mesh_dim_names=('dp', 'ring', 'ulysses'))"
+        )
+    sizes = dict(zip(names, mesh.shape, strict=True))
+    for name, degree in (("ulysses", ulysses_degree), ("ring", ring_degree)):
+        if sizes[name] != degree:
+            raise ValueError(
+                f"ContextParallelConfig(mesh=...): mesh dim '{name}' has size {sizes[name]} but "
+                f"{name}_degree={degree}; fix: give the mesh and the config the same degrees"
+            )
+
+
+def _accept_mesh_in_constructor(config_cls) -> None:
+    # The dataclass has no `mesh` field here: take the keyword, let diffusers validate the rest, and carry the
+    # mesh on the attribute enable_parallelism reads below.
+    original = vars(config_cls)["__init__"]
+
+    def __init__(self, *args, mesh=None, **kwargs):
+        original(self, *args, **kwargs)
+        if mesh is not None:
+            check_mesh(mesh, self.ulysses_degree, self.ring_degree)
+            setattr(self, INJECTED_MESH_ATTR, mesh)
+
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    _swaps.set(config_cls, "__init__", __init__)
+
+
 def apply() -> None:
     if _swaps.active:
         return
     from diffusers import ContextParallelConfig
     from diffusers.models.modeling_utils import ModelMixin
+
+    _accept_mesh_in_constructor(ContextParallelConfig)
 
     original = ModelMixin.enable_parallelism
 
@@ -70,7 +107,10 @@ def apply() -> None:
     enable_parallelism.__wrapped__ = original  # type: ignore[attr-defined]
     enable_parallelism.__doc__ = original.__doc__
     _swaps.set(ModelMixin, "enable_parallelism", enable_parallelism)
-    logger.info("patched ModelMixin.enable_parallelism: a shared (dp, ring, ulysses) mesh is honoured")
+    logger.info(
+        "patched ContextParallelConfig(mesh=...) and ModelMixin.enable_parallelism: a shared "
+        "(dp, ring, ulysses) mesh is honoured"
+    )
 
 
 def revert() -> None:

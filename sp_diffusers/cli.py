@@ -99,6 +99,7 @@ def _train(args: argparse.Namespace) -> int:
             f"engine: {engine_name}, ulysses_sequence_parallel_size={layout.ulysses}, ring_degree={layout.ring}",
             flush=True,
         )
+        print(f"algorithm: {config.flowgrpo.algorithm}; schedule: {trainer.schedule.source}", flush=True)
     history = trainer.run()
     trained = [m for m in history if m["iteration"] > trainer.start_iteration]
     if trainer.rank == 0 and trained:

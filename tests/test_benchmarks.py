@@ -44,3 +44,21 @@ def test_usp_bytes_match_the_ring_schedule(tmp_path):
     # streaming keeps this rank's K/V chunk for backward, the all-gather keeps every chunk
     assert ring["kept_bytes"] < rows["U1xR4 allgather"]["kept_bytes"]
     assert rows["U2xR2"]["kept_bytes"] < rows["U2xR2 allgather"]["kept_bytes"]
+
+
+def test_video_train_step_runs_the_same_update_everywhere(tmp_path):
+    """A tiny run of the Wan benchmark: its three variants (one process, ours at SP = 2, verl-omni-style) compute
+    the same update, so their gradient norms agree (fp32 reduction order: 1e-5 relative); timing is not asserted."""
+    from benchmarks import video_train_step
+
+    out = tmp_path / "video.json"
+    video_train_step.main(["--frames", "2", "--size", "8", "--repeats", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 2 * 4 * 4
+    norms = result["grad_norm"]
+    assert norms["one_process"] > 0
+    for name in ("ours", "verl_omni_style"):
+        assert abs(norms[name] - norms["one_process"]) <= 1e-5 * norms["one_process"], norms
+    assert all(v > 0 for v in result["time_s"].values()) and all(
+        v > 0 for v in result["peak_mib_per_rank"].values()
+    )

@@ -33,12 +33,14 @@ def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 
 @pytest.mark.parametrize(
     ("layout", "lora", "kind"),
     [(layout, lora, "qwenimage") for layout in sorted(LAYOUTS) for lora in (False, True)]
-    + [("sp2", False, "sd3_pipeline"), ("dp2_ring2", False, "qwenimage")],
+    + [("sp2", False, "sd3_pipeline"), ("dp2_ring2", False, "qwenimage")]
+    + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")],
     ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_flowgrpo_step_matches_one_process(layout, lora, kind):
     """SD3 runs through sp_diffusers' plan, from a real StableDiffusion3Pipeline folder whose own CLIP/T5
-    encoders give the text and pooled inputs (text padded to the degree with a masked key);
+    encoders give the text and pooled inputs (text padded to the degree with a masked key); Wan (video latents
+    [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2."""
     world, sp, ring = {**LAYOUTS, **EXTRA_LAYOUTS}[layout]
     ref = _step(1, 1, lora, kind)[0]

@@ -248,24 +248,40 @@ def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @needs_verl
 def test_entry_point_discovery_in_a_fresh_interpreter():
-    """``import verl`` alone finds the engine through the verl.plugins entry point; with VERL_PLATFORM=cpu
-    the plugin also brings verl's CPU platform."""
+    """``import verl`` alone finds the engine through the verl.plugins entry point, leaves diffusers with
+    ``ulysses_sdpa`` registered and the patches applied (what verl-omni's engine needs), and logs the install
+    report once (a module reload installs nothing again); with VERL_PLATFORM=cpu the plugin also brings
+    verl's CPU platform. VERL_USE_EXTERNAL_PLUGINS=none turns all of it off."""
     code = (
+        "import importlib, logging\n"
+        "logging.basicConfig(level=logging.INFO)\n"
         "import verl\n"
         "from verl.utils.device import get_device_name, get_nccl_backend\n"
         "from verl.workers.engine.base import EngineRegistry\n"
         "cls = EngineRegistry.get_engine_cls('sp_diffusers_diffusion', 'fsdp2')\n"
         "print('FOUND', cls.__module__ + '.' + cls.__qualname__, get_device_name(), get_nccl_backend())\n"
+        "from diffusers.models.attention_dispatch import AttentionBackendName\n"
+        "import sp_diffusers, sp_diffusers.integrations.verl as plugin\n"
+        "importlib.reload(plugin)\n"
+        "print('BACKEND', 'ulysses_sdpa' in {m.value for m in AttentionBackendName}, sp_diffusers.is_installed())\n"
+        "print('APPLIED', ','.join(sp_diffusers.install().applied))\n"
     )
     proc = _python(code, {"VERL_PLATFORM": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FOUND sp_diffusers.integrations.verl_engine.SPDiffusersEngine cpu gloo" in proc.stdout
+    assert "BACKEND True True" in proc.stdout
+    applied = next(line for line in proc.stdout.splitlines() if line.startswith("APPLIED")).split()[1]
+    assert "native_ulysses" in applied.split(",")  # the patches this diffusers needs, by the plugin
+    assert proc.stderr.count("sp-diffusers install: diffusers") == 1, proc.stderr[-3000:]
     off = _python(
         "import verl\nfrom verl.workers.engine.base import EngineRegistry\n"
-        "print('TYPES', sorted(EngineRegistry._engines))",
+        "print('TYPES', sorted(EngineRegistry._engines))\n"
+        "from diffusers.models.attention_dispatch import AttentionBackendName\n"
+        "print('BACKEND', 'ulysses_sdpa' in {m.value for m in AttentionBackendName})\n",
         {"VERL_USE_EXTERNAL_PLUGINS": "none"},
     )
     assert off.returncode == 0 and "sp_diffusers_diffusion" not in off.stdout  # discovery really did it
+    assert "BACKEND False" in off.stdout
 
 
 def test_missing_verl_names_the_extra():

@@ -16,6 +16,7 @@ def group_advantages(
     std: str = "batch",
     eps: float = 1e-4,
     clip: float = 5.0,
+    correction: int = 0,
 ) -> torch.Tensor:
     """Advantages ``[N]``: ``(reward - mean of its group) / (std + eps)``, clamped to ``[-clip, clip]``.
 
@@ -26,10 +27,18 @@ def group_advantages(
             ``"group"`` by the std of the sample's own group (a group of one gets advantage 0).
         eps: added to the std so that a group (or batch) of equal rewards gives 0, not NaN.
         clip: the advantages are clamped to ``[-clip, clip]`` (``adv_clip_max``).
+        correction: the std divides the squared deviations by ``n - correction``. The references differ:
 
-    Stds are population stds (divide by ``n``, ``correction=0``), like ``numpy.std`` in the
-    flow_grpo and verl-omni implementations. Computed in float64; returned in ``rewards``' floating dtype
-    (float32 for integer rewards).
+            - flow_grpo: ``numpy.std``, population (``correction=0``, the default), of the whole gathered batch
+              (``global_std``) + 1e-4;
+            - DanceGRPO: ``torch.Tensor.std`` of each group, unbiased (``std="group", correction=1``) + 1e-8;
+            - verl-omni: ``torch.std`` (unbiased) of the whole batch + 1e-4, but over the rewards repeated
+              across the T stored window steps (``[B, T]``), so its ``n - 1`` is ``B T - 1``: between the
+              unbiased and the population std of the B rewards, not equal to either for T > 1.
+
+    A group whose rewards are all equal gets advantage exactly 0 (not a rounding residue of its mean), so
+    such samples can be recognised and dropped (``flowgrpo.drop_zero_advantage``). Computed in float64;
+    returned in ``rewards``' floating dtype (float32 for integer rewards).
     """
     fn = "group_advantages"
     if rewards.ndim != 1:
@@ -56,6 +65,8 @@ def group_advantages(
         )
     if not clip > 0:
         raise ValueError(f"{fn}: clip must be > 0, got {clip!r}; the default 5.0 is the reference value.")
+    if correction not in (0, 1):
+        raise ValueError(f"{fn}: correction must be 0 (population std) or 1 (unbiased), got {correction!r}.")
     if rewards.numel() == 0:
         raise ValueError(f"{fn}: rewards is empty; pass at least one sample.")
 
@@ -68,10 +79,16 @@ def group_advantages(
     )
     group_mean = torch.zeros_like(counts).index_add_(0, inverse, r) / counts
     centered = r - group_mean[inverse]
+    # a constant group: exactly 0 (its float mean may differ from the value by an ulp)
+    group_max = torch.full_like(counts, -torch.inf).scatter_reduce(0, inverse, r, "amax")
+    group_min = torch.full_like(counts, torch.inf).scatter_reduce(0, inverse, r, "amin")
+    centered = torch.where((group_max == group_min)[inverse], torch.zeros_like(centered), centered)
     if std == "batch":
-        scale = r.std(correction=0)
+        scale = r.std(correction=correction) if r.numel() > correction else r.new_zeros(())
     else:
-        group_var = torch.zeros_like(counts).index_add_(0, inverse, centered**2) / counts
+        # a group of one has no unbiased std: 0 (its advantage is 0 anyway)
+        denom = (counts - correction).clamp_min(1.0)
+        group_var = torch.zeros_like(counts).index_add_(0, inverse, centered**2) / denom
         scale = group_var.sqrt()[inverse]
     adv = (centered / (scale + eps)).clamp(-clip, clip)
     return adv.to(out_dtype)

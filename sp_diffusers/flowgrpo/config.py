@@ -28,16 +28,22 @@ class ModelConfig:
     pretrained: str = ""  # a folder written by save_pretrained (the real-model path)
     overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
     image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)
+    frames: int = 4  # latent frames of a video family (wan); image families ignore it
     seed: int = 0
 
 
 @dataclass
 class TextConfig:
-    hidden_size: int = 32  # the built-in byte-level encoder (used when `pipeline` is empty)
+    # the built-in encoder when `pipeline` is empty: "byte" (a tiny Qwen2 over UTF-8 bytes, ragged), "umt5" (a
+    # tiny UMT5 over ByT5 bytes, zero-padded to max_sequence_length as WanPipeline does); "": umt5 for wan, else byte
+    encoder: str = ""
+    hidden_size: int = 32
     num_layers: int = 1
     seed: int = 1234
-    pipeline: str = ""  # a diffusers pipeline folder whose own text encoders encode the prompts (SD3/SD3.5)
-    max_sequence_length: int = 256  # T5 tokens for a pipeline encoder
+    pipeline: str = (
+        ""  # a diffusers pipeline folder whose own text encoders encode the prompts (SD3/SD3.5, Wan)
+    )
+    max_sequence_length: int = 256  # text tokens: T5 of a pipeline encoder, UMT5 (Wan pads prompts to it)
 
 
 @dataclass
@@ -73,11 +79,22 @@ class OptimConfig:
 
 @dataclass
 class FlowGRPOConfig:
+    # flow_grpo (arXiv 2505.05470: an SDE window, the rest ODE) or dance_grpo (arXiv 2505.07818: every step SDE,
+    # each sample trains on a random timestep_fraction of steps 0..N-2)
+    algorithm: str = "flow_grpo"
+    sde_type: str = "sde"  # flow_grpo's step: "sde" (its default) or "cps" (coefficients-preserving sampling)
     num_steps: int = 8  # denoising steps per rollout
-    shift: float = 0.0  # SD3-style time shift (0: none)
-    window_size: int = 2  # SDE steps per rollout (the rest is ODE)
-    window_range: list = field(default_factory=lambda: [0, 4])  # window start drawn from [lo, hi)
-    noise_level: float = 0.8
+    # "pipeline": the family's scheduler as its diffusers pipeline sets it; "linspace": DanceGRPO's
+    # shift(linspace(1, 0, N + 1)); "auto": linspace for dance_grpo, else pipeline
+    schedule: str = "auto"
+    scheduler: str = (
+        ""  # a pipeline or scheduler folder whose scheduler config to use ("": text.pipeline's, else default)
+    )
+    shift: float = 0.0  # time shift: pipeline schedule: replaces the scheduler's static shift (0: keep it); linspace: required
+    window_size: int = 2  # flow_grpo: SDE steps per rollout (the rest is ODE)
+    window_range: list = field(default_factory=lambda: [0, 4])  # flow_grpo: window start drawn from [lo, hi)
+    timestep_fraction: float = 0.6  # dance_grpo: trains int((N - 1) * fraction) random steps per sample
+    noise_level: float = 0.8  # sde: a; cps: a in (0, 1); dance_grpo: eta (DanceGRPO uses 0.3)
     group_size: int = 4  # samples per prompt
     prompts_per_rank: int = 2  # prompts per data-parallel rank per iteration
     micro_batch_size: int = 4
@@ -87,6 +104,7 @@ class FlowGRPOConfig:
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0
     recompute_old_log_probs: bool = True
+    drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
     reward: str = "color"
 

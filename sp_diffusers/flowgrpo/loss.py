@@ -88,7 +88,7 @@ def flowgrpo_loss(
         log_prob: ``[B]`` the policy's log-prob of the stored ``x_prev`` (carries the gradient).
         old_log_prob: ``[B]`` the rollout policy's log-prob (treated as a constant: detached).
         advantages: ``[B]`` group-relative advantages (detached).
-        clip_range: PPO ``eps`` (reference: ~1e-4 for LoRA, ~1e-5 for full fine-tuning).
+        clip_range: PPO ``eps`` (flow_grpo, DanceGRPO and verl-omni default to 1e-4; flow_grpo's Wan config 1e-3).
         normalizer: divides the loss, e.g. ``num_micro_batches * W`` for gradient accumulation.
         kl_coef: ``beta``; when > 0, ``prev_sample_mean`` ``[B, ...]``, ``ref_prev_sample_mean`` ``[B, ...]``
             (detached) and ``std_dev_t`` (``[B]`` or scalar, as in :class:`SDEStep`) are required.
@@ -109,8 +109,8 @@ def flowgrpo_loss(
     _check_batch_vector(advantages, "advantages", batch)
     if not clip_range > 0:
         raise ValueError(
-            f"flowgrpo_loss: clip_range must be > 0, got {clip_range!r}; the reference uses ~1e-4 (LoRA) or "
-            "~1e-5 (full fine-tuning)."
+            f"flowgrpo_loss: clip_range must be > 0, got {clip_range!r}; flow_grpo, DanceGRPO and verl-omni "
+            "default to 1e-4."
         )
     if not normalizer > 0:
         raise ValueError(

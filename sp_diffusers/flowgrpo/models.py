@@ -1,7 +1,9 @@
-"""How FlowGRPO calls each transformer family: latents + sigma + text -> forward kwargs.
+"""How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs.
 
-A rollout works on token latents ``[B, L, C]`` (Qwen-Image/Flux pack 2x2 latent patches into tokens);
-the adapter knows the family's forward signature and the extra arguments (image grid, ids).
+Latents keep the family's own layout (Qwen-Image: packed tokens ``[B, L, C]``; SD3: ``[B, C, H, W]``; Wan:
+video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments (image grid, ids) and how
+the pipeline hands the schedule's timestep (0..1000 scale) to its transformer. ``reward_view`` gives the rewards
+channels-last latents (``[B, L, C]`` for images, ``[B, F, H, W, C]`` for video).
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["QwenImageAdapter", "SD3Adapter", "build_adapter"]
+__all__ = ["QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
 
 
 @dataclass(frozen=True)
 class QwenImageAdapter:
-    """``QwenImageTransformer2DModel``: tokens ``[B, (H/2)(W/2), 4 C]``, timestep = sigma in [0, 1]."""
+    """``QwenImageTransformer2DModel``: tokens ``[B, (H/2)(W/2), 4 C]``; the pipeline passes ``timestep / 1000``."""
 
     grid_h: int
     grid_w: int
@@ -37,7 +39,7 @@ class QwenImageAdapter:
     def inputs(
         self,
         latents: torch.Tensor,
-        sigma: torch.Tensor,
+        timestep: torch.Tensor,
         embeds: torch.Tensor,
         mask: torch.Tensor,
         pooled: torch.Tensor | None = None,
@@ -47,7 +49,7 @@ class QwenImageAdapter:
             hidden_states=latents,
             encoder_hidden_states=embeds,
             encoder_hidden_states_mask=mask,
-            timestep=sigma.to(latents.dtype).expand(batch),
+            timestep=timestep.to(latents.dtype).expand(batch) / 1000.0,
             img_shapes=[[(1, self.grid_h, self.grid_w)]] * batch,
         )
         if self.needs_txt_seq_lens:
@@ -57,7 +59,7 @@ class QwenImageAdapter:
 
 @dataclass(frozen=True)
 class SD3Adapter:
-    """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, timestep = sigma * 1000, pooled text from the
+    """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, the schedule's timestep as is, pooled text from the
     pipeline's CLIP encoders when the text encoder gives it, else the masked mean of the embeddings.
 
     SD3 has no text mask of its own; the padded text keys are masked through ``joint_attention_kwargs``,
@@ -82,7 +84,7 @@ class SD3Adapter:
     def inputs(
         self,
         latents: torch.Tensor,
-        sigma: torch.Tensor,
+        timestep: torch.Tensor,
         embeds: torch.Tensor,
         mask: torch.Tensor,
         pooled: torch.Tensor | None = None,
@@ -96,16 +98,72 @@ class SD3Adapter:
             hidden_states=latents,
             encoder_hidden_states=embeds,
             pooled_projections=pooled,
-            timestep=(sigma * 1000.0).to(latents.dtype).expand(batch),
+            timestep=timestep.to(latents.dtype).expand(batch),
             joint_attention_kwargs={"encoder_hidden_states_mask": mask},
         )
 
 
+@dataclass(frozen=True)
+class WanAdapter:
+    """``WanTransformer3DModel``: video latents ``[B, C, F, H, W]``, the schedule's timestep as is (``[B]``).
+
+    Wan's transformer takes no text mask: its pipeline zero-pads every prompt's embeddings to
+    ``max_sequence_length`` and the cross-attention attends to those zero rows too (they become non-zero
+    tokens after the text projection). So the text the model sees must not depend on how the batch was
+    padded: masked positions are zeroed (as verl-omni's Wan adapter does) and the text is cut or zero-padded to
+    exactly ``text_len`` rows. The engine's SP padding (to a multiple of the degree) therefore changes nothing,
+    and Wan does not shard the text anyway (its plan splits only the video tokens).
+    """
+
+    frames: int
+    height: int
+    width: int
+    channels: int
+    patch: tuple[int, int, int]
+    text_len: int
+
+    @property
+    def tokens(self) -> int:
+        pt, ph, pw = self.patch
+        return (self.frames // pt) * (self.height // ph) * (self.width // pw)
+
+    def latent_shape(self, batch: int) -> tuple[int, int, int, int, int]:
+        return (batch, self.channels, self.frames, self.height, self.width)
+
+    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents.permute(0, 2, 3, 4, 1)  # [B, C, F, H, W] -> [B, F, H, W, C]
+
+    def inputs(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        pooled: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        batch = latents.shape[0]
+        text = embeds * mask.to(embeds.dtype)[..., None]
+        if text.shape[1] >= self.text_len:
+            text = text[:, : self.text_len]
+        else:
+            text = torch.nn.functional.pad(text, (0, 0, 0, self.text_len - text.shape[1]))
+        return dict(
+            hidden_states=latents,
+            timestep=timestep.to(latents.dtype).expand(batch),
+            encoder_hidden_states=text,
+        )
+
+
 def build_adapter(
-    model: torch.nn.Module, image_size: int, pooled_from_encoder: bool = False
-) -> QwenImageAdapter | SD3Adapter:
-    """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching);
-    ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input itself."""
+    model: torch.nn.Module,
+    image_size: int,
+    pooled_from_encoder: bool = False,
+    frames: int = 1,
+    text_len: int = 512,
+) -> QwenImageAdapter | SD3Adapter | WanAdapter:
+    """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching), ``frames``
+    latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input
+    itself; ``text_len``: the text length a Wan pipeline pads prompts to (``text.max_sequence_length``)."""
     from ..compat import diffusers_version
     from ..model_kinds import class_name
 
@@ -133,7 +191,20 @@ def build_adapter(
                 "the pipeline's own text encoders (text.pipeline=<pipeline folder>), which give the pooled input"
             )
         return SD3Adapter(image_size, image_size, config.in_channels, config.patch_size)
+    if name == "WanTransformer3DModel":
+        pt, ph, pw = config.patch_size
+        if image_size % ph or image_size % pw:
+            raise ValueError(
+                f"model.image_size={image_size} must be a multiple of the patch size {(ph, pw)} (latent height/width)"
+            )
+        if frames < 1 or frames % pt:
+            raise ValueError(
+                f"model.frames={frames} must be a positive multiple of the temporal patch size {pt} (latent frames)"
+            )
+        if text_len < 1:
+            raise ValueError(f"text.max_sequence_length={text_len} must be >= 1 (Wan pads prompts to it)")
+        return WanAdapter(frames, image_size, image_size, config.in_channels, (pt, ph, pw), text_len)
     raise ValueError(
-        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, SD3Transformer2DModel "
-        "(add one in sp_diffusers/flowgrpo/models.py)"
+        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, SD3Transformer2DModel, "
+        "WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"
     )

@@ -1,7 +1,7 @@
 """Rewards behind one small interface: ``reward(latents, prompts) -> [B]``.
 
-``latents`` are the final denoised latents the rollout produced (``[B, L, C]`` token layout for
-Qwen-Image/Flux); a reward that needs pixels decodes them itself (e.g. with the pipeline's VAE) and a
+``latents`` are the final denoised latents the rollout produced, channels last (``[B, L, C]`` tokens for
+images, ``[B, F, H, W, C]`` for video: ``adapter.reward_view``); a reward that needs pixels decodes them itself (e.g. with the pipeline's VAE) and a
 reward model that reads text takes the prompts. Rewards run on every rank of an SP group on identical
 inputs, so they are identical there too.
 """
@@ -14,7 +14,7 @@ import torch
 
 from .text import COLORS
 
-__all__ = ["REWARDS", "ColorLatentReward", "MeanLatentReward", "Reward", "build_reward"]
+__all__ = ["REWARDS", "ColorLatentReward", "MeanLatentReward", "Reward", "VideoColorReward", "build_reward"]
 
 
 @runtime_checkable
@@ -52,6 +52,46 @@ class ColorLatentReward:
         return torch.nn.functional.cosine_similarity(mean, targets, dim=-1)
 
 
+class VideoColorReward:
+    """The prompt's colour in every frame, held steady across frames: ``exp(-(colour_err + w temporal) / s)``.
+
+    With ``m[b, f]`` the mean latent of frame f (over its pixels, ``[C]``) and ``t`` the target of the prompt's
+    colour word (the direction of :class:`ColorLatentReward` times ``scale``)::
+
+        colour_err = mean_{f, c} (m[b, f, c] - t_c)^2          every frame must hit the target
+        temporal   = mean_{f >= 1, c} (m[b, f, c] - m[b, f - 1, c])^2    frame-to-frame drift
+
+    In (0, 1]; dense and smooth, prompt-conditioned (the text path must work) and a function of every frame (so
+    under SP the frames must all be there: the engine's output is gathered). A tiny Wan learns it in about a
+    minute on CPU (``examples/run_flowgrpo_wan_sp2.sh``). Image latents ``[B, L, C]`` count as one frame.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        seed: int = 7,
+        scale: float = 1.0,
+        temporal_weight: float = 1.0,
+        temperature: float = 0.5,
+    ) -> None:
+        self.targets = ColorLatentReward(channels, seed).directions * scale
+        self.color_index = ColorLatentReward(channels, seed).color_index
+        self.temporal_weight, self.temperature = temporal_weight, temperature
+
+    def __call__(self, latents: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if latents.shape[0] != len(prompts):
+            raise ValueError(f"{latents.shape[0]} latents but {len(prompts)} prompts")
+        x = latents.float()
+        frames = x.flatten(2, -2).mean(dim=2) if x.ndim >= 4 else x.mean(dim=1, keepdim=True)  # [B, F, C]
+        targets = self.targets[[self.color_index(p) for p in prompts]].to(frames.device)
+        colour_err = ((frames - targets[:, None, :]) ** 2).mean(dim=(1, 2))
+        if frames.shape[1] > 1:
+            temporal = ((frames[:, 1:] - frames[:, :-1]) ** 2).mean(dim=(1, 2))
+        else:
+            temporal = torch.zeros_like(colour_err)
+        return torch.exp(-(colour_err + self.temporal_weight * temporal) / self.temperature)
+
+
 class MeanLatentReward:
     """The mean of the final latents: prompt-independent, the simplest signal (for smoke tests)."""
 
@@ -59,12 +99,14 @@ class MeanLatentReward:
         return latents.float().flatten(1).mean(dim=1)
 
 
-REWARDS = {"color": ColorLatentReward, "mean_latent": MeanLatentReward}
+REWARDS = {"color": ColorLatentReward, "mean_latent": MeanLatentReward, "video_color": VideoColorReward}
 
 
 def build_reward(name: str, channels: int) -> Reward:
     if name == "color":
         return ColorLatentReward(channels)
+    if name == "video_color":
+        return VideoColorReward(channels)
     if name == "mean_latent":
         return MeanLatentReward()
     raise ValueError(f"reward={name!r} is not built in; choose one of {sorted(REWARDS)} or pass a callable")

@@ -1,11 +1,13 @@
-"""Rollout with an SDE window, and the per-window-step log-prob evaluation the trainer shares with it.
+"""Rollout with a span of stochastic steps, and the per-step log-prob evaluation the trainer shares with it.
 
-Steps outside the window are deterministic ODE steps; the W window steps are SDE steps whose log-probs
-make the policy. Stored per sample: ``latents [B, W+1, L, C]`` (the window's inputs and outputs),
-``log_probs [B, W]``, ``sigma_index [B]`` (the window's first step), ``final [B, L, C]``.
+Steps outside the span ``[start, start + S)`` are deterministic ODE steps; the S steps inside are SDE steps
+(:class:`~sp_diffusers.flowgrpo.steps.StepRule`) whose log-probs make the policy. FlowGRPO's span is its window
+(S = W, at a random start); DanceGRPO's is every step (S = N). Stored per sample: ``latents [B, S+1, ...]`` (the
+span's inputs and outputs), ``log_probs [B, S]``, ``train_steps [B, T]`` (the schedule steps each sample trains
+on: the whole window for FlowGRPO, a random subset per sample for DanceGRPO) and ``final`` (the reward input).
 
-Every rank of an SP group calls this with the same batch and the same generator seed, so the noise,
-the window and the latents are identical there; the transformer's Ulysses attention does the rest.
+Every rank of an SP group calls this with the same batch and the same generator seed, so the noise, the span
+and the latents are identical there; the transformer's Ulysses attention does the rest.
 """
 
 from __future__ import annotations
@@ -15,29 +17,57 @@ from typing import Any
 
 import torch
 
-from .sde import SDEStep, ode_step, sde_step_with_logprob
+from .pipeline_schedule import Schedule
+from .sde import SDEStep, ode_step
+from .steps import StepRule
 
 __all__ = ["Trajectory", "evaluate_window_step", "rollout", "velocity"]
 
 
 @dataclass
 class Trajectory:
-    latents: torch.Tensor  # [B, W+1, L, C] float32
-    log_probs: torch.Tensor  # [B, W]
-    window_start: int  # index into sigmas of the first SDE step
-    final: torch.Tensor  # [B, L, C] the denoised latents (reward input)
+    latents: torch.Tensor  # [B, S+1, ...] float32: the span's inputs and outputs
+    log_probs: torch.Tensor  # [B, S] the rollout's log-probs of the span's steps
+    window_start: int  # index into the schedule of the span's first step
+    final: torch.Tensor  # [B, ...] the denoised latents (reward input)
+    train_steps: torch.Tensor | None = None  # [B, T] schedule steps to train on; None: every span step
+
+    def steps(self) -> torch.Tensor:
+        """``[B, T]`` long: the schedule step of each sample's k-th trained step."""
+        if self.train_steps is not None:
+            return self.train_steps.to(self.latents.device)
+        b, s = self.latents.shape[0], self.latents.shape[1] - 1
+        return (self.window_start + torch.arange(s, device=self.latents.device)).expand(b, s)
+
+    def step_latents(self, idx: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(step indices ``[b]``, latents ``[b, ...]``, next latents ``[b, ...]``) of samples ``idx``' k-th
+        trained step."""
+        steps = self.steps()[idx, k]
+        pos = steps - self.window_start
+        return steps, self.latents[idx, pos], self.latents[idx, pos + 1]
+
+    def rollout_log_probs(self) -> torch.Tensor:
+        """``[B, T]``: the rollout's log-prob of each trained step (old log-probs without recomputation)."""
+        pos = self.steps() - self.window_start
+        return torch.gather(self.log_probs.to(pos.device), 1, pos)
 
 
 def velocity(
-    engine, adapter, latents: torch.Tensor, sigma: torch.Tensor, cond: dict[str, Any], cfg_scale: float
+    engine,
+    adapter,
+    latents: torch.Tensor,
+    timestep: torch.Tensor,
+    cond: dict[str, Any],
+    cfg_scale: float,
 ) -> torch.Tensor:
-    """The model's velocity at ``(latents, sigma)``; with ``cfg_scale > 1`` classifier-free guidance."""
+    """The model's velocity at ``latents`` and the model timestep ``timestep`` (0-d or ``[B]``, 0..1000 scale);
+    with ``cfg_scale > 1`` classifier-free guidance."""
     dtype = next(engine.model.parameters()).dtype
     x = latents.to(dtype)
     v = engine.forward(
         **adapter.inputs(
             x,
-            sigma,
+            timestep,
             cond["prompt_embeds"].to(dtype),
             cond["prompt_embeds_mask"],
             cond.get("pooled_prompt_embeds"),
@@ -47,7 +77,7 @@ def velocity(
         v_neg = engine.forward(
             **adapter.inputs(
                 x,
-                sigma,
+                timestep,
                 cond["negative_prompt_embeds"].to(dtype),
                 cond["negative_prompt_embeds_mask"],
                 cond.get("negative_pooled_prompt_embeds"),
@@ -62,24 +92,20 @@ def evaluate_window_step(
     adapter,
     latents: torch.Tensor,
     next_latents: torch.Tensor,
-    sigmas: torch.Tensor,
-    step_index: int,
+    schedule: Schedule,
+    step_index: int | torch.Tensor,
     cond: dict[str, Any],
-    noise_level: float,
+    rule: StepRule,
     cfg_scale: float,
 ) -> SDEStep:
-    """Log-prob of the stored ``next_latents`` under the current policy at SDE step ``step_index``."""
-    sigma, sigma_next = sigmas[step_index], sigmas[step_index + 1]
-    v = velocity(engine, adapter, latents, sigma, cond, cfg_scale)
-    return sde_step_with_logprob(
-        latents,
-        v,
-        float(sigma),
-        float(sigma_next),
-        noise_level,
-        sigma_one_substitute=float(sigmas[1]),
-        prev_sample=next_latents,
-    )
+    """Log-prob of the stored ``next_latents`` under the current policy at schedule step ``step_index`` (an int,
+    or a ``[B]`` long tensor when each sample trains on its own step, as DanceGRPO's do)."""
+    if isinstance(step_index, torch.Tensor):
+        timestep = schedule.timesteps.to(step_index.device)[step_index]
+    else:
+        timestep = schedule.timesteps[step_index]
+    v = velocity(engine, adapter, latents, timestep.to(latents.device), cond, cfg_scale)
+    return rule.step(latents, v, schedule.sigmas, step_index, prev_sample=next_latents)
 
 
 @torch.no_grad()
@@ -88,15 +114,20 @@ def rollout(
     adapter,
     cond: dict[str, Any],
     noise: torch.Tensor,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
     window_start: int,
     window_size: int,
-    noise_level: float,
+    rule: StepRule,
     generator: torch.Generator,
     cfg_scale: float = 1.0,
+    final_is_prediction: bool = False,
 ) -> Trajectory:
-    """Denoise ``noise`` ``[B, L, C]`` from sigma = 1 to 0; SDE steps in ``[window_start, window_start + W)``."""
-    num_steps = sigmas.numel() - 1
+    """Denoise ``noise`` from sigma 1 to 0; SDE steps in ``[window_start, window_start + window_size)``.
+
+    ``final_is_prediction``: the reward reads the last step's predicted data ``x - sigma v`` instead of the
+    sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same)."""
+    sigmas, timesteps = schedule.sigmas, schedule.timesteps
+    num_steps = schedule.num_steps
     if not 0 <= window_start <= num_steps - window_size:
         raise ValueError(
             f"window_start={window_start} with window_size={window_size} does not fit {num_steps} steps; "
@@ -104,23 +135,20 @@ def rollout(
         )
     x = noise.float()
     stored, log_probs = [], []
+    final = None
     for i in range(num_steps):
-        v = velocity(engine, adapter, x, sigmas[i], cond, cfg_scale)
+        v = velocity(engine, adapter, x, timesteps[i].to(x.device), cond, cfg_scale)
+        if i == num_steps - 1 and final_is_prediction:
+            final = x - float(sigmas[i]) * v
         if window_start <= i < window_start + window_size:
             stored.append(x)
-            step = sde_step_with_logprob(
-                x,
-                v,
-                float(sigmas[i]),
-                float(sigmas[i + 1]),
-                noise_level,
-                sigma_one_substitute=float(sigmas[1]),
-                generator=generator,
-            )
+            step = rule.step(x, v, sigmas, i, generator=generator)
             x = step.prev_sample
             log_probs.append(step.log_prob)
         else:
             x = ode_step(x, v, float(sigmas[i]), float(sigmas[i + 1]))
         if i == window_start + window_size - 1:
             stored.append(x)
-    return Trajectory(torch.stack(stored, dim=1), torch.stack(log_probs, dim=1), window_start, x)
+    return Trajectory(
+        torch.stack(stored, dim=1), torch.stack(log_probs, dim=1), window_start, x if final is None else final
+    )

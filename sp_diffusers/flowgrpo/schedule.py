@@ -1,9 +1,11 @@
-"""Flow-matching sigma schedules for FlowGRPO rollouts.
+"""Flow-matching sigma math: ``linspace(1, 1/N, N)`` with an optional time shift, and Qwen-Image's ``mu``.
 
-The schedule is the one diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps`` builds from the
-pipelines' ``sigmas = linspace(1, 1/N, N)``: an optional time shift, then a terminal 0. It is computed
-here in float64 and rounded once to float32 (diffusers rounds the linspace to float32 first and shifts
-in float32, so the two agree to a few float32 ulps).
+``flow_sigmas`` is what ``FlowMatchEulerDiscreteScheduler.set_timesteps(sigmas=linspace(1, 1/N, N))`` gives
+(Qwen-Image / Flux pipelines) *without* Qwen-Image's ``shift_terminal``, and DanceGRPO's schedule (its
+``linspace(1, 0, N + 1)[:N]`` is the same grid). It is not what SD3's pipeline samples with (``set_timesteps(N)``
+starts from the shifted training grid, ending at 0.0089 rather than shift(1/N)), nor Wan's UniPC schedule: the
+trainer takes those from the real schedulers (``pipeline_schedule.py``). Computed in float64 and rounded once to
+float32 (diffusers rounds the linspace to float32 first and shifts in float32: a few float32 ulps apart).
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
 With ``sigma`` the current and ``sigma_next`` the next noise level, ``dt = sigma_next - sigma < 0`` and
 ``v`` the velocity predicted by the model, the SDE step is (Flow-GRPO, arXiv 2505.05470)::
 
-    std_t  = sqrt(sigma / (1 - sigma)) * noise_level       (sigma == 1: sigma_one_substitute below)
+    std_t  = sqrt(sigma / (1 - min(sigma, s1))) * noise_level     (s1 = sigma_one_substitute = sigmas[1])
     mean   = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
     x_prev = mean + std_t * sqrt(-dt) * eps,   eps ~ N(0, I)
 
 and its log-probability is the Gaussian log-density of ``x_prev`` averaged (not summed) over every
-non-batch element. Everything is computed in at least float32 so that the rollout's log-probs and the
+non-batch element. ``min(sigma, sigmas[1])`` changes only the schedule's first step, where ``1 - sigma`` is 0
+(FlowMatch: sigma = 1, where flow_grpo substitutes sigmas[1]) or nearly 0 (Wan's UniPC: 1 - 1e-6, where the
+plain formula would give a noise std of ~1000 a). Everything is computed in at least float32 so that the rollout's log-probs and the
 trainer's recomputation agree regardless of the model's bf16/fp16 dtype.
 """
 
@@ -116,8 +118,9 @@ def sde_step_with_logprob(
         sigma: current noise level, a python float or a ``[B]`` tensor, in ``(0, 1]``.
         sigma_next: next noise level (``< sigma``), a python float or a ``[B]`` tensor, in ``[0, 1)``.
         noise_level: the SDE noise scale ``a > 0`` (0 would be the ODE step: use :func:`ode_step`).
-        sigma_one_substitute: used in place of ``sigma`` in ``std_t``'s denominator ``1 - sigma`` where
-            ``sigma == 1`` (which would divide by zero); the reference implementation uses ``sigmas[1]``.
+        sigma_one_substitute: ``std_t``'s denominator is ``1 - min(sigma, sigma_one_substitute)``: pass
+            ``sigmas[1]``, so only the first step (sigma = 1, or UniPC's 1 - 1e-6) uses it, as flow_grpo does
+            at sigma = 1 (where ``1 - sigma`` would divide by zero).
         prev_sample: ``[B, ...]`` a stored ``x_prev`` to evaluate (training); ``None`` samples one (rollout).
         generator: random generator for the noise when sampling; the noise is drawn in ``sample``'s dtype
             (as the reference does) on the generator's device, then moved to ``sample``'s device.
@@ -154,7 +157,7 @@ def sde_step_with_logprob(
     sub = _per_sample(sigma_one_substitute, "sigma_one_substitute", sample, dtype)
 
     dt = sig_next - sig
-    std_t = torch.sqrt(sig / (1.0 - torch.where(sig == 1.0, sub, sig))) * noise_level
+    std_t = torch.sqrt(sig / (1.0 - torch.minimum(sig, sub))) * noise_level
     mean = x * (1.0 + std_t**2 / (2.0 * sig) * dt) + v * (1.0 + std_t**2 * (1.0 - sig) / (2.0 * sig)) * dt
     scale = std_t * torch.sqrt(-dt)
 

@@ -1,10 +1,15 @@
-"""Prompt encoders: the embedded default (a tiny, random ``transformers`` model over UTF-8 bytes) and a
-diffusers pipeline's own text encoders (``PipelineTextEncoder``, for real checkpoints).
+"""Prompt encoders: the embedded defaults (tiny, random ``transformers`` models over bytes) and a diffusers
+pipeline's own text encoders (``PipelineTextEncoder``, for real checkpoints).
 
-Real pipelines encode prompts with a large text model (Qwen2.5-VL for Qwen-Image); the embedded default
-keeps the same shape of data with no download: byte-level ids (so prompts of different lengths give
-ragged embeddings and masks that the engine must pad), a real ``transformers`` decoder layer stack with
-a fixed seed (identical on every rank), frozen.
+Real pipelines encode prompts with a large text model (Qwen2.5-VL for Qwen-Image, UMT5-XXL for Wan); the
+embedded defaults keep the same shape of data with no download, with a fixed seed (identical on every rank),
+frozen:
+
+- ``ByteTextEncoder``: UTF-8 byte ids through a tiny Qwen2 stack, so prompts of different lengths give ragged
+  embeddings and masks that the engine must pad;
+- ``UMT5TextEncoder``: Wan's own encoder class (``UMT5EncoderModel``, tiny) over ByT5's byte tokenizer, used the
+  way ``WanPipeline`` uses it: tokenised to ``max_sequence_length``, each prompt's states cut at its length and
+  zero-padded back (Wan's transformer sees every row, so the masks are all True).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_PROMPTS", "ByteTextEncoder", "PipelineTextEncoder"]
+__all__ = ["DEFAULT_PROMPTS", "ByteTextEncoder", "PipelineTextEncoder", "UMT5TextEncoder"]
 
 COLORS = ("red", "green", "blue", "yellow")
 OBJECTS = ("cat", "house", "bicycle", "mountain lake", "teapot", "lighthouse at dusk")
@@ -84,16 +89,55 @@ class ByteTextEncoder(torch.nn.Module):
         return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": masks}
 
 
+class UMT5TextEncoder:
+    """``encode_batch(prompts)``: ``[L, D]`` embeddings per prompt, zero past its tokens, L = ``max_sequence_length``."""
+
+    def __init__(
+        self, hidden_size: int = 32, num_layers: int = 2, seed: int = 1234, max_sequence_length: int = 32
+    ) -> None:
+        from ..tiny.pipelines import tiny_umt5
+
+        self.tokenizer, self.model = tiny_umt5(seed=seed, d_model=hidden_size, num_layers=num_layers)
+        self.model.requires_grad_(False)
+        self.hidden_size = hidden_size
+        self.max_sequence_length = max_sequence_length
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """``[B, L, D]``, as ``WanPipeline._get_t5_prompt_embeds`` computes it (without its text cleaning)."""
+        tok = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        lengths = tok.attention_mask.gt(0).sum(dim=1)
+        hidden = self.model(tok.input_ids, tok.attention_mask).last_hidden_state.float()
+        keep = torch.arange(hidden.shape[1])[None, :] < lengths[:, None]
+        return hidden * keep[..., None]
+
+    def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
+        embeds = self.encode(prompts)
+        return {
+            f"{prefix}prompt_embeds": list(embeds),
+            f"{prefix}prompt_embeds_mask": [torch.ones(embeds.shape[1], dtype=torch.bool)] * len(prompts),
+        }
+
+
 class PipelineTextEncoder:
     """A diffusers pipeline's own text encoders (``text.pipeline``: a pipeline folder, e.g. SD3.5-Medium).
 
     Loads the pipeline without its transformer and VAE and calls its ``encode_prompt``, so prompts are
     encoded exactly as at inference: for ``StableDiffusion3Pipeline`` CLIP-L + CLIP-G (pooled, and
-    hidden states padded to T5's width) followed by T5 (``max_sequence_length`` tokens). SD3 attends to
+    hidden states padded to T5's width) followed by T5 (``max_sequence_length`` tokens); for ``WanPipeline``
+    UMT5, cut at each prompt's length and zero-padded to ``max_sequence_length``. Both transformers attend to
     every text token, padding included, so the masks are all True. Frozen, no gradients.
     """
 
-    SUPPORTED = ("StableDiffusion3Pipeline",)
+    SUPPORTED = ("StableDiffusion3Pipeline", "WanPipeline")
 
     def __init__(
         self,
@@ -113,6 +157,7 @@ class PipelineTextEncoder:
                 "byte-level encoder"
             )
         name = json.loads(index.read_text()).get("_class_name")
+        self.pipeline_class = name
         if name not in self.SUPPORTED:
             raise ValueError(
                 f"text.pipeline={path!r} is a {name}; supported: {', '.join(self.SUPPORTED)} "
@@ -125,6 +170,8 @@ class PipelineTextEncoder:
             kwargs["torch_dtype"] = dtype  # newer diffusers also take `dtype`; every supported one takes this
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            if name == "WanPipeline":
+                kwargs["transformer_2"] = None
             self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, vae=None, **kwargs)
         self.pipe.set_progress_bar_config(disable=True)
         self.device = torch.device(device)
@@ -136,12 +183,25 @@ class PipelineTextEncoder:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.pipe.text_encoder_3.config.d_model)
+        encoder = self.pipe.text_encoder if self.pipeline_class == "WanPipeline" else self.pipe.text_encoder_3
+        return int(encoder.config.d_model)
 
     @torch.no_grad()
     def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
         """``{prefix}prompt_embeds`` (list of ``[L, D]``), ``..._mask`` (all True), ``{prefix}pooled_prompt_embeds``
-        ``[B, P]``: what ``StableDiffusion3Pipeline.__call__`` passes its transformer."""
+        ``[B, P]`` (SD3 only): what the pipeline's ``__call__`` passes its transformer."""
+        if self.pipeline_class == "WanPipeline":
+            embeds, _ = self.pipe.encode_prompt(
+                prompt=prompts,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+                device=self.device,
+            )
+            embeds = embeds.float().cpu()
+            return {
+                f"{prefix}prompt_embeds": list(embeds),
+                f"{prefix}prompt_embeds_mask": [torch.ones(embeds.shape[1], dtype=torch.bool)] * len(prompts),
+            }
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,

@@ -1,5 +1,12 @@
 """The FlowGRPO loop on top of ``FSDPEngine``: rollout -> reward -> old log-probs -> advantages -> update.
 
+``flowgrpo.algorithm`` picks the reference: ``flow_grpo`` (an SDE window of W steps at a random start, the rest
+ODE, every window step trained; advantages over the batch std, population, + 1e-4) or ``dance_grpo`` (every step
+SDE with DanceGRPO's step, each sample trains on its own random ``int((N - 1) * timestep_fraction)`` of steps
+0..N-2, the last never; advantages over each group's unbiased std + 1e-8; the reward reads the last step's
+predicted data). With ``flowgrpo.drop_zero_advantage`` only samples with a non-zero advantage are trained
+(``selection.py``: the same count on every dp rank).
+
 Data parallel ranks draw different prompts; the ranks of one SP group draw the same ones (every random
 choice is seeded by (seed, iteration, dp rank), never by the global rank) and the engine broadcasts the
 batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and TensorBoard when
@@ -12,6 +19,7 @@ Building the parts from the config: ``build.py``; the policy update: ``update.py
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,12 +31,21 @@ from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
 from .advantages import group_advantages
-from .build import build_model, build_text_encoder, check_run, engine_settings, run_sigmas
+from .build import (
+    build_model,
+    build_text_encoder,
+    check_algorithm,
+    check_run,
+    engine_settings,
+    run_schedule,
+    step_rule,
+)
 from .config import TrainConfig, validate
 from .metrics import RunLog
 from .models import build_adapter
 from .rewards import Reward, build_reward
 from .rollout import Trajectory, evaluate_window_step, rollout
+from .selection import kept_samples
 from .text import DEFAULT_PROMPTS
 from .update import policy_update
 
@@ -59,16 +76,26 @@ class FlowGRPOTrainer:
         validate(config)  # a config built in code gets the checks load_config gives a YAML one
         init_distributed()
         self.config = c = config
+        check_algorithm(c)
+        # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
+        # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = model if model is not None else build_model(c)
         self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c))
         self.text_encoder = build_text_encoder(c, self.engine.device)
         self.adapter = build_adapter(
-            self.engine.model, c.model.image_size, pooled_from_encoder=bool(c.text.pipeline)
+            self.engine.model,
+            c.model.image_size,
+            pooled_from_encoder=bool(c.text.pipeline),
+            frames=c.model.frames,
+            text_len=c.text.max_sequence_length,
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
         self.reward = reward if reward is not None else build_reward(c.flowgrpo.reward, self.adapter.channels)
-        self.sigmas = run_sigmas(c)
+        self.schedule = run_schedule(c, self.adapter)
+        self.sigmas = self.schedule.sigmas
+        self.rule = step_rule(c)
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -102,6 +129,13 @@ class FlowGRPOTrainer:
             "sde_seed": int(torch.randint(2**62, (1,), generator=gen)),
             "shuffle_seed": int(torch.randint(2**62, (1,), generator=gen)),
         }
+        if g.algorithm == "dance_grpo":
+            # DanceGRPO: each sample its own random subset (without replacement) of steps 0..N-2
+            n, t = g.num_steps - 1, int((g.num_steps - 1) * g.timestep_fraction)
+            batch["window_start"] = 0
+            batch["train_steps"] = torch.stack(
+                [torch.randperm(n, generator=gen)[:t] for _ in range(len(prompts))]
+            )
         if g.cfg_scale > 1.0:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         return batch
@@ -124,46 +158,70 @@ class FlowGRPOTrainer:
     ) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
         """Rollout, rewards, advantages ``[B]`` and old log-probs ``[B, W]`` for a prepared batch."""
         g = self.config.flowgrpo
+        dance = g.algorithm == "dance_grpo"
         with self.engine.eval_mode():
             traj = rollout(
                 self.engine,
                 self.adapter,
                 self._cond(batch),
                 batch["latents"],
-                self.sigmas,
+                self.schedule,
                 batch["window_start"],
-                g.window_size,
-                g.noise_level,
+                self.schedule.num_steps if dance else g.window_size,
+                self.rule,
                 torch.Generator().manual_seed(batch["sde_seed"]),
                 g.cfg_scale,
+                final_is_prediction=dance,
             )
+            traj.train_steps = batch.get("train_steps")
             if self.engine.debug_checks:
                 self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
             rewards = self.reward(self.adapter.reward_view(traj.final), batch["prompts"]).float().cpu()
-            old_log_probs = traj.log_probs
+            old_log_probs = traj.rollout_log_probs()
             if g.recompute_old_log_probs:
+                everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
                 old_log_probs = torch.stack(
                     [
                         evaluate_window_step(
                             self.engine,
                             self.adapter,
-                            traj.latents[:, k],
-                            traj.latents[:, k + 1],
-                            self.sigmas,
-                            traj.window_start + k,
+                            *traj.step_latents(everyone, k)[1:],
+                            self.schedule,
+                            traj.steps()[:, k],
                             self._cond(batch),
-                            g.noise_level,
+                            self.rule,
                             g.cfg_scale,
                         ).log_prob
-                        for k in range(g.window_size)
+                        for k in range(traj.steps().shape[1])
                     ],
                     dim=1,
                 )
         all_rewards, all_groups = self._gather_dp(rewards), self._gather_dp(batch["group_ids"].cpu())
-        advantages_all = group_advantages(all_rewards, all_groups, clip=g.adv_clip_max)
+        # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
+        advantages_all = group_advantages(
+            all_rewards,
+            all_groups,
+            std="group" if dance else "batch",
+            eps=1e-8 if dance else 1e-4,
+            clip=g.adv_clip_max,
+            correction=1 if dance else 0,
+        )
         b = rewards.shape[0]
         advantages = advantages_all[self.engine.dp_rank * b : (self.engine.dp_rank + 1) * b]
-        stats = {"reward_mean": all_rewards.mean().item(), "reward_std": all_rewards.std(correction=0).item()}
+        if g.drop_zero_advantage:
+            # read by update(); seeded from the batch, so SP peers (which share it) keep the same samples
+            batch["kept_indices"] = kept_samples(
+                advantages_all,
+                self.engine.dp_rank,
+                self.engine.dp_size,
+                g.mini_batches,
+                batch["shuffle_seed"] + 1,
+            )
+        stats = {
+            "reward_mean": all_rewards.mean().item(),
+            "reward_std": all_rewards.std(correction=0).item(),
+            "zero_advantage_fraction": (advantages_all == 0).double().mean().item(),
+        }
         return traj, advantages.to(traj.latents.device), old_log_probs.detach(), stats
 
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -181,18 +239,26 @@ class FlowGRPOTrainer:
     def update(
         self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
     ) -> dict[str, float]:
-        """The policy update on one rollout (``update.policy_update``)."""
-        return policy_update(
+        """The policy update on one rollout (``update.policy_update``), on ``batch["kept_indices"]`` when
+        ``collect`` chose some (the zero-advantage filter), else on every sample."""
+        metrics = policy_update(
             self.engine,
             self.adapter,
-            self.sigmas,
+            self.schedule,
+            self.rule,
             self.config.flowgrpo,
             traj,
             advantages,
             old_log_probs,
             lambda idx: self._cond(batch, idx),
             batch["shuffle_seed"],
+            batch.get("kept_indices"),
         )
+        if metrics["trained_samples"] == 0:  # every advantage 0 on every rank: no step anywhere
+            lr = self.engine.optimizer.param_groups[0]["lr"]
+            zero = ("loss", "policy_loss", "kl", "ppo_kl", "clipfrac", "grad_norm")
+            metrics.update({k: 0.0 for k in zero}, ratio_mean=1.0, ratio_std=0.0, lr=lr, step_skipped=1.0)
+        return metrics
 
     def train_iteration(self, iteration: int) -> dict[str, Any]:
         start = time.perf_counter()

@@ -1,8 +1,13 @@
-"""The FlowGRPO policy update: mini-batches x micro-batches x window steps, one backward per window step.
+"""The FlowGRPO policy update: mini-batches x micro-batches x trained steps, one backward per trained step.
 
-For each shuffled mini-batch (one optimizer step) the engine accumulates, over its micro-batches and the W
-window steps of each, the gradient of ``flowgrpo_loss / (micro-batches x W)``: the mean over the mini-batch
-and the window, as flow_grpo and verl-omni average it.
+For each shuffled mini-batch (one optimizer step) the engine accumulates, over its micro-batches and the T
+trained steps of each (FlowGRPO: the W window steps; DanceGRPO: each sample's own random subset), the gradient
+of ``flowgrpo_loss / (micro-batches x T)``: the mean over the mini-batch and the trained steps, as flow_grpo,
+DanceGRPO (``/ (gradient_accumulation_steps * train_timesteps)``) and verl-omni average it.
+
+``indices`` restricts the update to some samples (``selection.kept_samples``: the zero-advantage filter); every
+data-parallel rank must pass the same number, so they all run the same micro-batches and optimizer steps (FSDP's
+collectives pair up across ranks). None of them: no optimizer step at all, on every rank alike.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import torch
 from ..engine import FSDPEngine
 from .config import FlowGRPOConfig
 from .loss import flowgrpo_loss
+from .pipeline_schedule import Schedule
 from .rollout import Trajectory, evaluate_window_step
+from .steps import StepRule
 
 __all__ = ["policy_update", "window_step_loss"]
 
@@ -28,7 +35,8 @@ def window_step_loss(
     _batch: Any,
     *,
     adapter: Any,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
+    rule: StepRule,
     g: FlowGRPOConfig,
     traj: Trajectory,
     k: int,
@@ -38,20 +46,13 @@ def window_step_loss(
     old_log_probs: torch.Tensor,
     normalizer: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The clipped policy loss (+ KL to the adapters-off reference) of window step ``k`` for samples ``idx``
+    """The clipped policy loss (+ KL to the adapters-off reference) of the k-th trained step of samples ``idx``
     (the ``loss_fn`` form ``FSDPEngine.forward_backward`` takes; the engine's batch argument is unused)."""
+    steps, latents, next_latents = traj.step_latents(idx, k)
 
     def evaluate():
         return evaluate_window_step(
-            engine,
-            adapter,
-            traj.latents[idx, k],
-            traj.latents[idx, k + 1],
-            sigmas,
-            traj.window_start + k,
-            cond,
-            g.noise_level,
-            g.cfg_scale,
+            engine, adapter, latents, next_latents, schedule, steps, cond, rule, g.cfg_scale
         )
 
     step = evaluate()
@@ -78,34 +79,43 @@ def window_step_loss(
 def policy_update(
     engine: FSDPEngine,
     adapter: Any,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
+    rule: StepRule,
     g: FlowGRPOConfig,
     traj: Trajectory,
     advantages: torch.Tensor,
     old_log_probs: torch.Tensor,
     cond_of: CondFn,
     shuffle_seed: int,
+    indices: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """``g.inner_epochs`` passes over the rollout in ``g.mini_batches`` optimizer steps; metrics averaged over
-    every (micro-batch, window step), plus the last step's optimizer metrics (grad norm, lr)."""
-    n = traj.latents.shape[0]
+    """``g.inner_epochs`` passes over the rollout's samples ``indices`` (default: all) in ``g.mini_batches``
+    optimizer steps; metrics averaged over every (micro-batch, trained step), plus the last step's optimizer
+    metrics (grad norm, lr). ``old_log_probs`` is ``[B, T]``, aligned with ``traj.steps()``."""
+    if indices is None:
+        indices = torch.arange(traj.latents.shape[0])
+    indices = indices.cpu()
+    num_trained = traj.steps().shape[1]
     sums: dict[str, float] = {}
     count = 0
     optim_metrics: dict[str, float] = {}
-    for epoch in range(g.inner_epochs):
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(shuffle_seed + epoch))
+    for epoch in range(g.inner_epochs if indices.numel() else 0):
+        perm = indices[
+            torch.randperm(indices.numel(), generator=torch.Generator().manual_seed(shuffle_seed + epoch))
+        ]
         for mini in perm.chunk(g.mini_batches):
             micros = mini.split(g.micro_batch_size)
-            normalizer = float(len(micros) * g.window_size)
+            normalizer = float(len(micros) * num_trained)
             engine.zero_grad()
             for micro in micros:
                 idx = micro.to(traj.latents.device)
                 cond = cond_of(idx)
-                for k in range(g.window_size):
+                for k in range(num_trained):
                     loss_fn = functools.partial(
                         window_step_loss,
                         adapter=adapter,
-                        sigmas=sigmas,
+                        schedule=schedule,
+                        rule=rule,
                         g=g,
                         traj=traj,
                         k=k,
@@ -122,4 +132,5 @@ def policy_update(
             optim_metrics = engine.optimizer_step()
     out = {k: v / max(1, count) for k, v in sums.items()}
     out.update(optim_metrics)
+    out["trained_samples"] = float(indices.numel())
     return out

@@ -17,12 +17,19 @@ so does ``import verl`` through the ``verl.plugins`` entry point. Built the way 
 
 Only ``engine_config.ulysses_sequence_parallel_size`` turns SP on; dp = world / SP, SP ranks adjacent.
 
+The entry point also runs ``sp_diffusers.install()`` in every process that imports verl (Ray workers
+included): diffusers then knows ``ulysses_sdpa`` and has the patches its version needs, and where verl-omni
+is installed its engine takes ``actor_rollout_ref.model.attn_backend=ulysses_sdpa`` (the ``verl_omni_*``
+patches). The install report is logged once, at INFO, by the import that installs.
+
 Where things are: ``verl_engine.py`` (the engine), ``verl_config.py`` (verl's configs -> ``EngineSettings``),
 ``verl_registry.py`` (registration, ``fsdp_engine_via_verl``), ``verl_weights.py`` (weight export),
 ``verl_cpu.py`` (a gloo CPU platform for verl), ``verl_overrides.py`` (the CLI's verl-style overrides).
 """
 
 from __future__ import annotations
+
+import logging
 
 try:
     import verl  # noqa: F401  (the error below must name the extra, not a verl submodule)
@@ -62,3 +69,32 @@ __all__ = [
 ]
 
 REGISTERED = register()
+
+_logger = logging.getLogger(__name__)
+
+
+def _install() -> object | None:
+    """``sp_diffusers.install()`` for the plugin: idempotent, its report logged by the import that installs.
+
+    verl swallows a plugin's exceptions (logged at DEBUG), so a failure is logged here as a warning and the
+    engine registration above stands; ``context_parallel_config`` / the engine raise it again where SP is used.
+    """
+    from .. import installer
+
+    first = not installer.is_installed()
+    try:
+        report = installer.install()
+    except Exception as err:
+        _logger.warning(
+            "sp-diffusers: install() failed in the verl plugin (%s: %s); ulysses_sdpa is not registered in "
+            "this process. Fix: see the error, or set VERL_USE_EXTERNAL_PLUGINS to leave sp_diffusers out",
+            type(err).__name__,
+            err,
+        )
+        return None
+    if first:
+        _logger.info("%s", report)
+    return report
+
+
+INSTALLED = _install()

@@ -10,7 +10,24 @@ import torch
 
 from ._registry import tiny_model
 
-__all__ = ["save_tiny_sd3_pipeline"]
+__all__ = ["WAN_SCHEDULER_CONFIG", "save_tiny_sd3_pipeline", "save_tiny_wan_pipeline", "tiny_umt5"]
+
+# Wan2.1-T2V-1.3B-Diffusers' scheduler_config.json (the fields that differ from UniPC's defaults)
+WAN_SCHEDULER_CONFIG = {
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "predict_x0": True,
+    "prediction_type": "flow_prediction",
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "timestep_spacing": "linspace",
+    "use_flow_sigmas": True,
+}
 
 
 def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
@@ -86,6 +103,69 @@ def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transform
         tokenizer_2=tokenizer(77),
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer(512),
+    )
+    pipe.save_pretrained(folder)
+    return Path(folder)
+
+
+def tiny_umt5(seed: int = 1234, d_model: int = 32, num_layers: int = 2):
+    """``(ByT5Tokenizer, UMT5EncoderModel)``: Wan's text-encoder class, tiny and random (same seed, same weights),
+    over ByT5's byte vocabulary (a pure-python tokenizer that needs no files, so nothing is downloaded)."""
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    tokenizer = ByT5Tokenizer()
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=num_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = UMT5EncoderModel(config)
+    return tokenizer, encoder.eval()
+
+
+def save_tiny_wan_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
+    """Write a tiny ``WanPipeline`` to ``folder`` and return it.
+
+    Real classes with small configs: the tiny ``WanTransformer3DModel`` (text_dim 32), a ``UMT5EncoderModel``
+    (d_model 32) with a ``ByT5Tokenizer``, a tiny ``AutoencoderKLWan`` (z_dim = the transformer's channels; the
+    trainer never decodes, but ``WanPipeline.from_pretrained`` wants one) and Wan2.1's own
+    ``UniPCMultistepScheduler`` config (flow sigmas, flow_shift 3), so ``PipelineTextEncoder``, the pipeline
+    schedule and the ``from_pretrained`` paths run as with Wan2.1-T2V-1.3B-Diffusers, with nothing downloaded.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    transformer = tiny_model("wan", seed=seed, **transformer_overrides)
+    tokenizer, text_encoder = tiny_umt5(seed=seed + 1, d_model=transformer.config.text_dim)
+    z = transformer.config.in_channels
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 2)
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=z,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * z,
+            latents_std=[1.0] * z,
+        )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+        transformer=transformer,
     )
     pipe.save_pretrained(folder)
     return Path(folder)

@@ -37,6 +37,14 @@ def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", rin
         folder = save_tiny_sd3_pipeline(tempfile.mkdtemp(), num_layers=2)
         c.model.kind, c.model.pretrained = "sd3", str(folder / "transformer")
         c.text.pipeline, c.text.max_sequence_length = str(folder), 16
+    if kind == "wan_pipeline":
+        # a real WanPipeline folder: transformer from_pretrained, prompts through its UMT5 (zero-padded to 16 tokens,
+        # all attended: Wan takes no text mask), its UniPC scheduler config as the schedule; 2 x 4 x 4 = 32 video tokens
+        from sp_diffusers.tiny import save_tiny_wan_pipeline
+
+        folder = save_tiny_wan_pipeline(tempfile.mkdtemp(), num_layers=2)
+        c.model.kind, c.model.pretrained, c.model.frames = "wan", str(folder / "transformer"), 2
+        c.text.pipeline, c.text.max_sequence_length = str(folder), 16
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.lora.enabled = lora
@@ -99,10 +107,10 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
                     trainer.adapter,
                     traj.latents[:, k],
                     traj.latents[:, k + 1],
-                    trainer.sigmas,
+                    trainer.schedule,
                     traj.window_start + k,
                     trainer._cond(batch),
-                    trainer.config.flowgrpo.noise_level,
+                    trainer.rule,
                     1.0,
                 ).log_prob
                 for k in range(W)

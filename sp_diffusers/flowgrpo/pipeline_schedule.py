@@ -1,0 +1,211 @@
+"""Each family's sampler schedule as its diffusers pipeline builds it at inference, from the real scheduler class.
+
+The reference trainers take their rollout schedule from the model's scheduler, not from a formula of their own:
+flow_grpo and verl-omni call ``FlowMatchEulerDiscreteScheduler.set_timesteps`` for SD3, flow_grpo's Wan trainer
+keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer timesteps. So does this module:
+
+- ``pipeline`` schedules build the scheduler class named in the scheduler config (a pipeline folder's
+  ``scheduler/scheduler_config.json``, else the family default below) with ``from_config`` (nothing downloaded)
+  and call ``set_timesteps`` exactly as the family's pipeline does:
+
+  - SD3 (``StableDiffusion3Pipeline``): ``set_timesteps(N)`` (plus ``mu`` only with dynamic shifting);
+    with the default static shift 3 the sigmas are ``shift(linspace(1, shift(1/1000), N))``, last 0.0089;
+  - Qwen-Image (``QwenImagePipeline``): ``set_timesteps(sigmas=linspace(1, 1/N, N), mu)`` with
+    ``mu = calculate_shift(image tokens, ...)`` from the config, then ``shift_terminal`` 0.02 stretches the end;
+  - Wan (``WanPipeline``): ``set_timesteps(N)`` on Wan's UniPC config (flow sigmas, ``flow_shift`` 3):
+    ``shift(linspace(1, 1/1000, N + 1)[:-1])`` with ``sigmas[0] = 1 - 1e-6`` and truncated integer timesteps.
+
+- ``linspace`` schedules are DanceGRPO's (and verl-omni's ``dance_grpo``):
+  ``sigmas = shift(linspace(1, 0, N + 1))`` computed in float32, and the model timestep ``int(1000 sigma)``
+  (truncated, so 0.875 in float32 gives 874) as DanceGRPO passes it.
+
+The model timestep is kept on the 0..1000 scale the pipelines compute; each adapter converts it the way its
+pipeline hands it to the transformer (Qwen-Image divides by 1000).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .schedule import qwenimage_mu
+
+__all__ = [
+    "SCHEDULER_DEFAULTS",
+    "Schedule",
+    "linspace_schedule",
+    "load_scheduler_config",
+    "pipeline_schedule",
+]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``sigmas [N + 1]`` float32 ending in 0, ``timesteps [N]`` float32 (the model timestep of each step, on the
+    0..1000 scale), and where they came from (printed once by the trainer)."""
+
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    source: str
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.numel())
+
+
+_WAN_UNIPC = {
+    # Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the pipeline's default, 480p: flow_shift 3)
+    "_class_name": "UniPCMultistepScheduler",
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "predict_x0": True,
+    "prediction_type": "flow_prediction",
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "timestep_spacing": "linspace",
+    "use_flow_sigmas": True,
+}
+# The scheduler configs of the released checkpoints, used when no pipeline folder gives one.
+SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
+    # stabilityai/stable-diffusion-3(.5) scheduler_config.json
+    "sd3": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
+    # Qwen/Qwen-Image scheduler_config.json
+    "qwenimage": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "base_image_seq_len": 256,
+        "base_shift": 0.5,
+        "max_image_seq_len": 8192,
+        "max_shift": 0.9,
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "shift_terminal": 0.02,
+        "time_shift_type": "exponential",
+        "use_dynamic_shifting": True,
+    },
+    "wan": _WAN_UNIPC,
+}
+_SUPPORTED_CLASSES = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
+
+
+def load_scheduler_config(path: str | Path, key: str = "flowgrpo.scheduler") -> dict[str, Any]:
+    """The scheduler config of a pipeline folder (``<path>/scheduler/scheduler_config.json``) or of a scheduler
+    folder (``<path>/scheduler_config.json``); ``key`` names the config key in errors."""
+    p = Path(path)
+    for candidate in (p / "scheduler" / "scheduler_config.json", p / "scheduler_config.json"):
+        if candidate.is_file():
+            return json.loads(candidate.read_text())
+    raise FileNotFoundError(
+        f"{key}={str(path)!r} has no scheduler/scheduler_config.json nor scheduler_config.json; fix: point it at "
+        "a diffusers pipeline folder (save_pretrained / a downloaded model repo) or its scheduler folder, or leave "
+        "it empty for the model family's default scheduler"
+    )
+
+
+def _build_scheduler(config: dict[str, Any], shift: float | None):
+    import diffusers
+
+    name = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+    if name not in _SUPPORTED_CLASSES:
+        raise ValueError(
+            f"the scheduler config names {name}; FlowGRPO rollouts need a flow-matching schedule from one of "
+            f"{', '.join(_SUPPORTED_CLASSES)} (UniPC with use_flow_sigmas); fix: flowgrpo.scheduler=<a folder with "
+            "such a scheduler> or flowgrpo.schedule=linspace"
+        )
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if name == "UniPCMultistepScheduler" and not config.get("use_flow_sigmas", False):
+        raise ValueError(
+            "the UniPCMultistepScheduler config has use_flow_sigmas false: not a flow-matching schedule; fix: use a "
+            "flow-matching model's scheduler (Wan: prediction_type flow_prediction, use_flow_sigmas true)"
+        )
+    if shift is not None:
+        if name == "UniPCMultistepScheduler":
+            config["flow_shift"] = shift
+        elif config.get("use_dynamic_shifting", False):
+            raise ValueError(
+                f"flowgrpo.shift={shift} has no effect: this scheduler shifts by resolution (use_dynamic_shifting, "
+                "mu from the image tokens); fix: flowgrpo.shift=0 (the pipeline's own shift)"
+            )
+        else:
+            config["shift"] = shift
+    return getattr(diffusers, name).from_config(config)
+
+
+def pipeline_schedule(
+    kind: str,
+    num_steps: int,
+    *,
+    scheduler_config: dict[str, Any] | None = None,
+    image_seq_len: int | None = None,
+    shift: float | None = None,
+) -> Schedule:
+    """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``wan``) samples with.
+
+    Args:
+        scheduler_config: the pipeline's scheduler config (``load_scheduler_config``); None: the family default.
+        image_seq_len: image tokens per sample (after patching); Qwen-Image's ``mu`` and a dynamically
+            shifted SD3 depend on it.
+        shift: replaces the config's static shift (``shift``, or UniPC's ``flow_shift``); None keeps it.
+    """
+    if kind not in SCHEDULER_DEFAULTS:
+        raise ValueError(
+            f"model.kind={kind!r} has no pipeline schedule here; known: {', '.join(SCHEDULER_DEFAULTS)}; fix: "
+            "flowgrpo.schedule=linspace (DanceGRPO's shifted linspace, flowgrpo.shift) for other families"
+        )
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
+        raise ValueError(f"flowgrpo.num_steps must be an int >= 2, got {num_steps!r}")
+    config = dict(scheduler_config if scheduler_config is not None else SCHEDULER_DEFAULTS[kind])
+    scheduler = _build_scheduler(config, shift)
+    name = type(scheduler).__name__
+    c = scheduler.config
+    dynamic = name == "FlowMatchEulerDiscreteScheduler" and bool(c.get("use_dynamic_shifting", False))
+    if kind == "qwenimage" or (kind == "sd3" and dynamic):
+        if image_seq_len is None:
+            raise ValueError(f"the {kind} pipeline schedule depends on the image tokens: pass image_seq_len")
+        # the pipelines' calculate_shift fallbacks differ (Qwen-Image 1.15, SD3 1.16 as max_shift)
+        mu = qwenimage_mu(
+            image_seq_len,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15 if kind == "qwenimage" else 1.16),
+        )
+    else:
+        mu = None
+    if kind == "qwenimage":
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
+    elif mu is not None:
+        scheduler.set_timesteps(num_steps, mu=mu)
+    else:
+        scheduler.set_timesteps(num_steps)  # SD3 without dynamic shifting, and Wan (UniPC or FlowMatch)
+    sigmas = scheduler.sigmas.detach().cpu().to(torch.float32)
+    timesteps = scheduler.timesteps.detach().cpu().to(torch.float32)
+    origin = "the pipeline folder's" if scheduler_config is not None else f"the {kind} default"
+    return Schedule(sigmas, timesteps, f"{name} ({origin} scheduler config), as the {kind} pipeline sets it")
+
+
+def linspace_schedule(num_steps: int, shift: float) -> Schedule:
+    """DanceGRPO's schedule: ``shift * t / (1 + (shift - 1) t)`` over ``t = linspace(1, 0, N + 1)`` in float32,
+    model timesteps ``int(1000 sigma)`` (truncated)."""
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
+        raise ValueError(f"flowgrpo.num_steps must be an int >= 2, got {num_steps!r}")
+    if not shift > 0:
+        raise ValueError(
+            f"flowgrpo.shift must be > 0 for flowgrpo.schedule=linspace, got {shift!r}; DanceGRPO uses 3 (Wan 2.1, "
+            "Flux, Qwen-Image) or 5 (HunyuanVideo; verl-omni's Wan 2.2)"
+        )
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    sigmas = shift * t / (1.0 + (shift - 1.0) * t)
+    timesteps = (sigmas[:-1] * 1000.0).to(torch.int64).to(torch.float32)
+    return Schedule(
+        sigmas, timesteps, f"DanceGRPO's shifted linspace (shift {shift:g}), int(1000 sigma) timesteps"
+    )
