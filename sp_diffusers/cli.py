@@ -38,7 +38,6 @@ def _engine_factory(choice: str, verl_keys: bool):
     """``auto``: through verl's EngineRegistry when the run is driven by verl keys and verl is installed;
     ``verl``: always; ``native``: never."""
     import importlib.util
-    import warnings
 
     if choice == "native" or (
         choice == "auto" and (not verl_keys or importlib.util.find_spec("verl") is None)
@@ -49,8 +48,6 @@ def _engine_factory(choice: str, verl_keys: bool):
     if "VERL_PLATFORM" not in os.environ and not torch.cuda.is_available():
         # verl 0.9.1 has no CPU platform and would fall back to "cuda"/"nccl": opt in to ours (gloo)
         os.environ["VERL_PLATFORM"] = "cpu"
-    # verl announces each optional engine it cannot import (torchtitan, megatron, ...): nothing to act on here
-    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
     from .integrations.verl import MODEL_TYPE, fsdp_engine_via_verl
 
     return fsdp_engine_via_verl, f"sp_diffusers.FSDPEngine via verl EngineRegistry (model_type={MODEL_TYPE})"

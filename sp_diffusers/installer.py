@@ -89,10 +89,39 @@ def install() -> InstallReport:
         return _report
 
 
+def _processors_using_backend() -> list[str]:
+    """Class names of the attention modules of live models whose processor dispatches to ``ulysses_sdpa``."""
+    import gc
+
+    import torch
+
+    gc.collect()  # models dropped by the caller but still in a reference cycle do not count
+    users = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.nn.Module):  # type(), not isinstance: no lazy proxy is touched
+            backend = getattr(obj.__dict__.get("processor"), "_attention_backend", None)
+            if backend is not None and getattr(backend, "value", backend) == BACKEND_NAME:
+                users.append(type(obj).__name__)
+    return users
+
+
 def uninstall() -> None:
-    """Revert every patch (newest first) and remove the backend from diffusers. Idempotent."""
+    """Revert every patch (newest first) and remove the backend from diffusers. Idempotent.
+
+    Refused while a live model still uses ``ulysses_sdpa``: its next forward would fail inside diffusers with a
+    bare ``KeyError``. Call ``model.reset_attention_backend()`` (or drop the model) first.
+    """
     global _report
     with _lock:
+        if _report is not None:
+            users = _processors_using_backend()
+            if users:
+                raise RuntimeError(
+                    f"sp_diffusers.uninstall(): {len(users)} attention module(s) of live models still use "
+                    f"{BACKEND_NAME!r} ({', '.join(sorted(set(users)))}), and their next forward would fail "
+                    "inside diffusers; fix: model.reset_attention_backend() (or set_attention_backend('native')) "
+                    "on those models first, or drop them (del model), then uninstall()"
+                )
         from . import plans
         from .patches import ALL_PATCHES
 

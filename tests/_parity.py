@@ -59,3 +59,33 @@ def worst_step(
     diff = (p - p_ref).abs()
     ratio = (diff / adam_step_tolerance(p_ref, g_ref, lr, eps)).max().item()
     return ratio <= 1.0, diff.max().item(), ratio
+
+
+def adam_resumed_step_tolerance(
+    p_ref: torch.Tensor,
+    g_ref: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    eps: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+) -> torch.Tensor:
+    """Elementwise admissible |p - p_ref| after AdamW step ``step`` (no weight decay, no clipping) from identical
+    parameters and moments (``exp_avg``, ``exp_avg_sq`` before the step), given gradients within
+    :func:`grad_tolerance` of ``g_ref``.
+
+    The update is ``u(g) = lr * A / (sqrt(B) + eps)`` with ``A = (b1 m + (1 - b1) g) / c1`` and
+    ``B = (b2 v + (1 - b2) g^2) / c2`` (c1, c2 the bias corrections), and
+    ``|du/dg| <= lr [(1 - b1) / c1 / (sqrt(B) + eps) + |A| sqrt((1 - b2) / c2) / (sqrt(B) + eps)^2]`` (using
+    ``sqrt(B) >= sqrt((1 - b2) / c2) |g|``). Taking the largest |A| and the smallest B over the gradient ball
+    bounds the Lipschitz constant there; plus the rounding of the update as in :func:`adam_step_tolerance`.
+    """
+    b1, b2 = betas
+    c1, c2 = 1 - b1**step, 1 - b2**step
+    tol_g = grad_tolerance(g_ref)
+    a_max = (b1 * exp_avg.abs() + (1 - b1) * (g_ref.abs() + tol_g)) / c1
+    low = (g_ref.abs() - tol_g).clamp_min(0.0)
+    root_b = ((b2 * exp_avg_sq + (1 - b2) * low.square()) / c2).sqrt()
+    lipschitz = lr * ((1 - b1) / c1 / (root_b + eps) + a_max * ((1 - b2) / c2) ** 0.5 / (root_b + eps) ** 2)
+    return lipschitz * tol_g + 2 * _ULP * p_ref.abs() + 1e-6 * lr

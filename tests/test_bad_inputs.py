@@ -52,6 +52,34 @@ def _before_install():
     return sp_diffusers.context_parallel_config(ulysses_degree=2)
 
 
+def _written(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _uninstall_in_use():
+    import sp_diffusers
+    from sp_diffusers.tiny import tiny_model
+
+    sp_diffusers.install()
+    model = tiny_model("qwenimage", num_layers=1)
+    model.set_attention_backend("ulysses_sdpa")
+    try:
+        sp_diffusers.uninstall()
+    finally:
+        model.reset_attention_backend()  # the other cases run in this process
+
+
+def _second_run(tmp_path):
+    from sp_diffusers.flowgrpo.run_lock import lock_run_dir
+
+    held = lock_run_dir(tmp_path / "run", rank=0)  # the first run, still going
+    try:
+        _trainer(**{"train.out_dir": str(tmp_path / "run"), "train.iterations": 1}).run()
+    finally:
+        held.close()
+
+
 def _old_diffusers(monkeypatch):
     import diffusers
 
@@ -300,6 +328,72 @@ CASES = [
         lambda mp, tp: __import__("sp_diffusers.tiny", fromlist=["x"]).tiny_model("sd9"),
         ValueError,
         ["kind='sd9'", "qwenimage"],
+    ),
+    (
+        "config_iterations_negative",
+        lambda mp, tp: _config(**{"train.iterations": -1}),
+        ValueError,
+        ["train.iterations=-1", "at least 1"],
+    ),
+    (
+        "config_group_size_one",
+        lambda mp, tp: _config(**{"flowgrpo.group_size": 1}),
+        ValueError,
+        ["flowgrpo.group_size=1", ">= 2"],
+    ),
+    (
+        "config_micro_batch_zero",
+        lambda mp, tp: _config(**{"flowgrpo.micro_batch_size": 0}),
+        ValueError,
+        ["flowgrpo.micro_batch_size=0", ">= 1"],
+    ),
+    (
+        "config_mini_batches_zero",
+        lambda mp, tp: _config(**{"flowgrpo.mini_batches": 0}),
+        ValueError,
+        ["flowgrpo.mini_batches=0", ">= 1"],
+    ),
+    (
+        "config_max_grad_norm_nan",
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.config", fromlist=["x"]).load_config(
+            None, ["optim.max_grad_norm=.nan"]
+        ),
+        ValueError,
+        ["optim.max_grad_norm=nan", "finite"],
+    ),
+    (
+        "config_empty_yaml",
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.config", fromlist=["x"]).load_config(
+            _written(tp / "empty.yaml", ""), []
+        ),
+        ValueError,
+        ["empty.yaml is empty", "fix"],
+    ),
+    (
+        "config_missing_yaml",
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.config", fromlist=["x"]).load_config(
+            str(tp / "nope.yaml"), []
+        ),
+        (ValueError, FileNotFoundError),
+        ["nope.yaml"],
+    ),
+    (
+        "engine_optim_lr_nan",
+        lambda mp, tp: __import__("sp_diffusers").OptimSettings(lr=float("nan")),
+        ValueError,
+        ["OptimSettings.lr=nan", "finite number > 0"],
+    ),
+    (
+        "uninstall_while_a_model_uses_the_backend",
+        lambda mp, tp: _uninstall_in_use(),
+        RuntimeError,
+        ["uninstall()", "still use 'ulysses_sdpa'", "reset_attention_backend()"],
+    ),
+    (
+        "run_dir_in_use",
+        lambda mp, tp: _second_run(tp),
+        ValueError,
+        ["train.out_dir=", "in use by a run that is still going", "pid ", "--out-dir"],
     ),
     (
         "return_lse",

@@ -4,6 +4,7 @@ SP peers with different parameters are refused."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import subprocess
@@ -154,7 +155,8 @@ def test_a_failed_load_leaves_the_engine_as_it_was(tmp_path):
 def test_every_rank_agrees_before_backward():
     """Unequal dp batches are weighted by samples (fp32, |d| <= 1e-5 + 1e-4 |ref| for every gradient); a
     loss_fn raising on one rank only (after the forward) makes every rank raise within seconds; a loss_fn
-    returning something other than a scalar loss with grad is refused with a message naming loss_fn."""
+    returning something other than a scalar loss with grad is refused with a message naming loss_fn; an output
+    folder held by another live run is refused on every rank, and free again once that run ends."""
     results = run_distributed("tests.workers.faults:step_agreement", 4)
     for rank, r in enumerate(results):
         assert r["unequal_dp_grad_excess"] <= 1e-5, r["unequal_dp_grad_excess"]
@@ -170,3 +172,52 @@ def test_every_rank_agrees_before_backward():
         assert "(loss, metrics)" in r["not_a_pair"]
         for name in ("non_scalar", "python_float", "no_grad", "not_a_pair"):
             assert "loss_fn" in r[name], name
+        lock = r["run_dir_in_use"]
+        assert lock is not None and "is in use by a run that is still going" in lock and "pid " in lock, lock
+        assert "--out-dir" in lock and r["run_dir_free_again"]
+
+
+def test_resume_on_another_layout_continues_the_run(tmp_path):
+    """A run preempted twice and resumed on another number of ranks: SP 2 (2 ranks) -> dp 2 x SP 2 (4 ranks) ->
+    1 process. Loading reshards, so every parameter and AdamW moment a layout loads is bitwise what the other
+    layout saved (pure data movement: holds on any CPU). The step taken after resuming at dp 2 x SP 2 equals
+    the step one process takes from the same checkpoint: gradients within 1e-5 + 1e-4|g|, parameters within the
+    bound those gradients imply through AdamW with the loaded moments (tests/_parity.py,
+    ``adam_resumed_step_tolerance``)."""
+    from ._parity import PARITY_EPS, PARITY_LR, adam_resumed_step_tolerance
+
+    root = str(tmp_path)
+    for phase, world in (("a", 2), ("b", 4), ("c", 1)):
+        results = run_distributed("tests.workers.faults:resume_on_other_layouts", world, phase, root)
+        assert [r["global_step"] for r in results] == [{"a": 2, "b": 3, "c": 3}[phase]] * world
+    load = functools.partial(torch.load, weights_only=True)
+    saved, loaded = load(tmp_path / "a_saved.pt"), load(tmp_path / "b_loaded.pt")
+    assert sorted(saved) == sorted(loaded) and any(k.startswith("exp_avg_sq:") for k in saved)
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == [], (
+        "2 ranks -> 4 ranks changed state"
+    )
+    b3, c_loaded3 = load(tmp_path / "b_step3.pt"), load(tmp_path / "c_loaded3.pt")
+    assert [k for k in b3 if not torch.equal(b3[k], c_loaded3[k])] == [], "4 ranks -> 1 process changed state"
+    ref = load(tmp_path / "c_step3.pt")
+    assert all(torch.equal(ref[f"before:{k}"], saved[k]) for k in saved)  # the reference started from it too
+    # parameters outside the loss's graph (the last block's text path) get no gradient and no AdamW state
+    names = [k.split(":", 1)[1] for k in saved if k.startswith("exp_avg:")]
+    checked = 0
+    for name in names:
+        before = ref[f"before:param:{name}"]
+        bound = adam_resumed_step_tolerance(
+            ref[f"param:{name}"],
+            ref[f"grad:{name}"],
+            ref[f"before:exp_avg:{name}"],
+            ref[f"before:exp_avg_sq:{name}"],
+            step=3,
+            lr=PARITY_LR,
+            eps=PARITY_EPS,
+        )
+        diff = (b3[f"param:{name}"] - ref[f"param:{name}"]).abs()
+        assert bool((diff <= bound).all()), (
+            f"{name}: step 3 off by {diff.max():.3e} ({(diff / bound).max():.2f}x)"
+        )
+        moved = (ref[f"param:{name}"] - before).abs().max().item()
+        checked += moved > 0
+    assert checked > 0.8 * len(names), "the reference step moved too few parameters to test anything"

@@ -429,3 +429,24 @@ def test_bad_wan_and_text_keys_are_named():
     c.text.encoder = "t5"
     with pytest.raises(ConfigError, match=r"text\.encoder='t5'.*'byte', 'umt5'"):
         build_text_encoder(c, torch.device("cpu"))
+
+
+def test_prompts_past_the_encoders_limit_are_warned_about():
+    """Two prompts that differ only past the limit get one embedding: the encoder says so (once per prompt)."""
+    import warnings
+
+    from sp_diffusers.flowgrpo.text import ByteTextEncoder, UMT5TextEncoder
+
+    byte = ByteTextEncoder(max_length=8)
+    long_a, long_b = "a red cat on a mat", "a red cat on a hat"
+    with pytest.warns(
+        UserWarning, match=r"ByteTextEncoder: the prompt 'a red cat on a mat' has 18 tokens, more"
+    ):
+        embeds, _ = byte.encode([long_a, long_b])
+    assert torch.equal(embeds[0], embeds[1])  # what the warning is about
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        byte.encode(["a red"])  # within the limit: silent
+    umt5 = UMT5TextEncoder(max_sequence_length=8)
+    with pytest.warns(UserWarning, match=r"more than text\.max_sequence_length \(8\)"):
+        umt5.encode([long_a])

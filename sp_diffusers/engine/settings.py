@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,23 @@ class OptimSettings:
     eps: float = 1e-8
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        # a NaN compares false with everything: NaN lr/eps poison every parameter, a NaN norm turns clipping off
+        checks = [
+            ("lr", self.lr, self.lr > 0, "a finite number > 0"),
+            ("eps", self.eps, self.eps > 0, "a finite number > 0"),
+            ("weight_decay", self.weight_decay, self.weight_decay >= 0, "a finite number >= 0"),
+            ("max_grad_norm", self.max_grad_norm, True, "a finite number (<= 0: no clipping)"),
+            *((f"betas[{i}]", b, 0 <= b < 1, "in [0, 1)") for i, b in enumerate(self.betas)),
+        ]
+        for name, value, ok, rule in checks:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and ok):
+                raise ValueError(f"OptimSettings.{name}={value!r} is invalid: it must be {rule}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise ValueError(
+                f"OptimSettings.warmup_steps={self.warmup_steps!r} is invalid: it must be an int >= 0"
+            )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,22 @@ DEFAULT_PROMPTS = tuple(f"a {color} {obj}" for color in COLORS for obj in OBJECT
 _PAD, _BOS, _EOS = 256, 257, 258
 
 
+def warn_truncated(encoder: str, prompt: str, length: int, limit: int, what: str) -> None:
+    """Say once (rank 0) that a prompt is cut: two prompts that differ only past the limit get one embedding."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+    warnings.warn(
+        f"{encoder}: the prompt {shown!r} has {length} tokens, more than {what} ({limit}); the tokens past "
+        f"{limit} are dropped (prompts that differ only there get the same embedding). Shorten the prompt, or "
+        f"use a real text encoder (text.pipeline: a pipeline folder)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class ByteTextEncoder(torch.nn.Module):
     """``encode(prompts) -> (list of [L_i, D] embeddings, list of [L_i] bool masks)``, ragged."""
 
@@ -63,7 +79,10 @@ class ByteTextEncoder(torch.nn.Module):
     def tokenize(self, prompts: list[str]) -> list[torch.Tensor]:
         ids = []
         for p in prompts:
-            raw = list(p.encode("utf-8"))[: self.max_length]
+            raw = list(p.encode("utf-8"))
+            if len(raw) > self.max_length:
+                warn_truncated("ByteTextEncoder", p, len(raw), self.max_length, "its limit in UTF-8 bytes")
+            raw = raw[: self.max_length]
             ids.append(torch.tensor([_BOS, *raw, _EOS], dtype=torch.long))
         return ids
 
@@ -115,6 +134,10 @@ class UMT5TextEncoder:
             return_tensors="pt",
         )
         lengths = tok.attention_mask.gt(0).sum(dim=1)
+        for p in prompts:
+            n = len(self.tokenizer(p, add_special_tokens=True).input_ids)
+            if n > self.max_sequence_length:
+                warn_truncated("UMT5TextEncoder", p, n, self.max_sequence_length, "text.max_sequence_length")
         hidden = self.model(tok.input_ids, tok.attention_mask).last_hidden_state.float()
         keep = torch.arange(hidden.shape[1])[None, :] < lengths[:, None]
         return hidden * keep[..., None]

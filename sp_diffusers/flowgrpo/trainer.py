@@ -45,6 +45,7 @@ from .metrics import RunLog
 from .models import build_adapter
 from .rewards import Reward, build_reward
 from .rollout import Trajectory, evaluate_window_step, rollout
+from .run_lock import lock_run_dir
 from .selection import kept_samples
 from .text import DEFAULT_PROMPTS
 from .update import policy_update
@@ -288,6 +289,16 @@ class FlowGRPOTrainer:
         return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra={"iteration": iteration})
 
     def run(self) -> list[dict[str, Any]]:
+        """Train to ``train.iterations``, resuming from the newest checkpoint; one run per ``train.out_dir`` at a
+        time (``RunDirInUse`` on every rank otherwise)."""
+        lock = lock_run_dir(self.out_dir, self.rank)
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.close()
+
+    def _run(self) -> list[dict[str, Any]]:
         c = self.config.train
         self.log.open(self.config.to_dict())
         if dist.is_initialized():

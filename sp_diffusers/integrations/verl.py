@@ -30,6 +30,7 @@ Where things are: ``verl_engine.py`` (the engine), ``verl_config.py`` (verl's co
 from __future__ import annotations
 
 import logging
+import warnings
 
 try:
     import verl  # noqa: F401  (the error below must name the extra, not a verl submodule)
@@ -45,15 +46,19 @@ from .verl_cpu import register_cpu_platform, wants_cpu_platform
 if wants_cpu_platform():
     register_cpu_platform()
 
-from .verl_config import BACKENDS, DiffusionModelConfig
-from .verl_engine import INPUT_NAMES, SPDiffusersEngine, engine_loss
-from .verl_registry import (
-    DEVICES,
-    MODEL_TYPE,
-    SHARED_MODEL_TYPE,
-    fsdp_engine_via_verl,
-    register,
-)
+with warnings.catch_warnings():
+    # importing verl.workers.engine announces each optional engine it cannot import (torchtitan, megatron, ...),
+    # in every process: nothing for a diffusers user to act on, and it is our import that triggers it
+    warnings.filterwarnings("ignore", message=r".* engine is not available", category=UserWarning)
+    from .verl_config import BACKENDS, DiffusionModelConfig
+    from .verl_engine import INPUT_NAMES, SPDiffusersEngine, engine_loss
+    from .verl_registry import (
+        DEVICES,
+        MODEL_TYPE,
+        SHARED_MODEL_TYPE,
+        fsdp_engine_via_verl,
+        register,
+    )
 
 __all__ = [
     "BACKENDS",

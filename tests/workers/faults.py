@@ -4,6 +4,8 @@ different parameters are refused."""
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -131,4 +133,103 @@ def step_agreement(rank: int, world: int) -> dict:
         except (TypeError, ValueError) as e:
             out[name] = str(e)
         dist.barrier()
+
+    # (4) an output folder another live run holds: every rank raises the same RunDirInUse
+    from sp_diffusers.flowgrpo.run_lock import RunDirInUse, _try_lock, lock_run_dir
+
+    folder = [tempfile.mkdtemp(prefix="sp-lock-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    held = _try_lock(Path(folder[0]))[0] if rank == 0 else None  # "the other run"
+    try:
+        lock_run_dir(folder[0], rank)
+        out["run_dir_in_use"] = None
+    except RunDirInUse as e:
+        out["run_dir_in_use"] = str(e)
+    if held is not None:
+        held.close()
+    dist.barrier()
+    free = lock_run_dir(folder[0], rank)  # released: the next run gets it
+    out["run_dir_free_again"] = True
+    if free is not None:
+        free.close()
     return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _full_state(engine) -> dict:
+    """Every parameter and its AdamW state as full tensors, by name (collective: every rank calls it)."""
+    out = {}
+    for name, p in engine.model.named_parameters():
+        if not p.requires_grad:
+            continue
+        out[f"param:{name}"] = _full(p)
+        for key, value in engine.optimizer.state.get(p, {}).items():
+            out[f"{key}:{name}"] = _full(value) if torch.is_tensor(value) else torch.tensor(value)
+    return out
+
+
+def resume_on_other_layouts(rank: int, world: int, phase: str, root: str) -> dict:
+    """One phase of a run preempted twice: ``a`` trains 2 steps at SP 2 (2 ranks) and saves; ``b`` resumes that
+    checkpoint at dp 2 x SP 2 (4 ranks), takes step 3 on its half of the batch and saves; ``c`` (1 process)
+    loads both checkpoints and takes step 3 from the first one itself: the reference. Full states go to files
+    in ``root`` for the test to compare."""
+    from diffusers.utils import logging as dlogging
+
+    import sp_diffusers
+    from sp_diffusers.tiny import tiny_inputs, tiny_model
+    from tests._parity import PARITY_EPS, PARITY_LR
+
+    dlogging.set_verbosity(logging.ERROR)
+    root_dir = Path(root)
+    sp = {"a": 2, "b": 2, "c": 1}[phase]
+    optim = sp_diffusers.OptimSettings(lr=PARITY_LR, eps=PARITY_EPS, max_grad_norm=0.0)
+    engine = sp_diffusers.FSDPEngine(
+        tiny_model("qwenimage", num_layers=1), ulysses_sequence_parallel_size=sp, optim=optim
+    )
+    full = tiny_inputs(
+        "qwenimage", tiny_model("qwenimage", num_layers=1), batch=4, text_len=8, ragged_text=False
+    )
+    dp, dp_rank = engine.layout.dp, engine.dp_rank
+    rows = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)
+    batch = {
+        k: (v[rows].to(engine.device) if torch.is_tensor(v) else v[rows] if isinstance(v, list) else v)
+        for k, v in full.items()
+    }
+
+    def loss_fn(eng, b):
+        return eng.forward(**b).square().mean(), {}
+
+    def dump(name: str, state: dict) -> None:
+        if rank == 0:
+            torch.save(state, root_dir / f"{name}.pt")
+
+    ckpts = root_dir / "checkpoints"
+    if phase == "a":
+        for _ in range(2):
+            engine.train_step(batch, loss_fn)
+        engine.save_checkpoint(ckpts, step=2)
+        dump("a_saved", _full_state(engine))
+    elif phase == "b":
+        engine.load_checkpoint(ckpts / "step-00000002")
+        dump("b_loaded", _full_state(engine))
+        engine.train_step(batch, loss_fn)
+        engine.save_checkpoint(ckpts, step=3)
+        dump("b_step3", _full_state(engine))
+    else:
+        engine.load_checkpoint(ckpts / "step-00000002")
+        state2 = _full_state(engine)
+        engine.zero_grad()
+        engine.forward_backward(batch, loss_fn)
+        grads = {
+            f"grad:{n}": _full(p.grad) if p.grad is not None else torch.zeros_like(_full(p))
+            for n, p in engine.model.named_parameters()
+            if p.requires_grad
+        }
+        engine.optimizer_step()
+        dump("c_step3", {**_full_state(engine), **grads, **{f"before:{k}": v for k, v in state2.items()}})
+        engine.load_checkpoint(ckpts / "step-00000003")
+        dump("c_loaded3", _full_state(engine))
+    return {"phase": phase, "world": world, "global_step": engine.global_step}
