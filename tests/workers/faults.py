@@ -152,7 +152,50 @@ def step_agreement(rank: int, world: int) -> dict:
     out["run_dir_free_again"] = True
     if free is not None:
         free.close()
+
+    # (5) saves that fail on one rank: every rank raises the same CheckpointError, nothing half-written stays
+    import errno
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from sp_diffusers.engine.checkpoint import CheckpointError, find_latest
+
+    root = Path(folder[0]) / "ckpts"
+    engine.save_checkpoint(root, step=1)
+    blocker = Path(folder[0]) / "a-file"  # rank 0 cannot create a folder under a file (read-only stands in)
+    if rank == 0:
+        blocker.write_text("")
+    dist.barrier()
+    for name, run in (
+        ("save_root_unwritable", lambda: engine.save_checkpoint(blocker / "ckpts", step=2)),
+        (
+            "save_disk_full_on_rank_1",
+            lambda: _save_with_full_disk(engine, root, rank, FileSystemWriter, errno),
+        ),
+    ):
+        try:
+            run()
+            out[name] = None
+        except CheckpointError as e:
+            out[name] = str(e)
+        dist.barrier()
+    out["partial_folders_left"] = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp"))
+    out["latest_after_failures"] = find_latest(root).name
     return out
+
+
+def _save_with_full_disk(engine, root, rank: int, writer_class, errno_module) -> None:
+    from unittest import mock
+
+    real = writer_class.write_data
+
+    def full(self, plan, planner):
+        if rank == 1:
+            raise OSError(errno_module.ENOSPC, "No space left on device")
+        return real(self, plan, planner)
+
+    with mock.patch.object(writer_class, "write_data", full):
+        engine.save_checkpoint(root, step=2)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -233,3 +276,42 @@ def resume_on_other_layouts(rank: int, world: int, phase: str, root: str) -> dic
         engine.load_checkpoint(ckpts / "step-00000003")
         dump("c_loaded3", _full_state(engine))
     return {"phase": phase, "world": world, "global_step": engine.global_step}
+
+
+def compiled_under_sp(rank: int, world: int) -> dict:
+    """``torch.compile(backend="aot_eager")`` of a Qwen-Image at SP 2 (ragged 7-token text: uneven shards), with
+    ``ulysses_sdpa`` and with ``native``: forward and gradients against the same model run eagerly."""
+    from diffusers.utils import logging as dlogging
+
+    import sp_diffusers
+    from sp_diffusers.tiny import tiny_inputs, tiny_model
+
+    dlogging.set_verbosity(logging.ERROR)
+    sp_diffusers.install()
+    out = {}
+    for backend in ("ulysses_sdpa", "native"):
+        model = tiny_model("qwenimage", num_layers=1)
+        inputs = tiny_inputs("qwenimage", model, batch=2, text_len=7)
+        model.set_attention_backend(backend)
+        model.enable_parallelism(config=sp_diffusers.context_parallel_config(ulysses_degree=world))
+        runs = []
+        for compiled in (False, True):
+            model.zero_grad(set_to_none=True)
+            fn = torch.compile(model, backend="aot_eager", fullgraph=False) if compiled else model
+            o = fn(**inputs, return_dict=False)[0]
+            o.square().mean().backward()
+            # the last block's text path is outside the output's graph: eager leaves None, compiled may give 0
+            grads = {
+                n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                for n, p in model.named_parameters()
+            }
+            runs.append((o.detach().clone(), grads))
+        (o_e, g_e), (o_c, g_c) = runs
+        out[backend] = {
+            "out_diff": (o_c - o_e).abs().max().item(),
+            "grad_diff": max((g_c[n] - g_e[n]).abs().max().item() for n in g_e),
+            "nonzero_grads": sum(bool(g.abs().max() > 0) for g in g_e.values()),
+        }
+        model.reset_attention_backend()
+        torch._dynamo.reset()
+    return out
