@@ -234,7 +234,8 @@ def test_resume_on_another_layout_continues_the_run(tmp_path):
 def test_torch_compile_under_sp_matches_eager():
     """torch.compile (aot_eager) of a model under context parallelism, ulysses_sdpa and native: the compiled
     forward and backward give eager's numbers (fp32; aot_eager runs the same kernels, so 1e-6 covers only
-    the reordering its graph may do)."""
+    the reordering its graph may do). Both follow a forward under torch.inference_mode(), which must not break
+    later training forwards."""
     for rank, r in enumerate(run_distributed("tests.workers.faults:compiled_under_sp", 2)):
         for backend, v in r.items():
             assert v["nonzero_grads"] > 10, v  # the comparison covers real gradients
