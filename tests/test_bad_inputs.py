@@ -133,6 +133,12 @@ def _save_then_load(tmp_path, save_kw, load_kw, corrupt=None):
     return loader.load_checkpoint(tmp_path / "ckpt")
 
 
+def _bump_format(path) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    meta["format"] = 99  # written by a newer sp-diffusers
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
 def _lora():
     from sp_diffusers import LoraSettings
 
@@ -276,6 +282,12 @@ CASES = [
         ),
         RuntimeError,
         ["meta.json", "corrupt", "earlier step"],
+    ),
+    (
+        "checkpoint_other_format",
+        lambda mp, tp: _save_then_load(tp, {}, {}, corrupt=_bump_format),
+        RuntimeError,
+        ["meta.json has format 99", "reads formats 1 and 2", "fix"],
     ),
     (
         "checkpoint_corrupt_shards",
