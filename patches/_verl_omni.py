@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from ._base import Probe
+from ._base import AttributeSwaps, Probe
 
 PACKAGE = "verl_omni"
 NOT_INSTALLED = Probe(False, "verl-omni is not installed (nothing of it to patch)")
@@ -131,3 +131,27 @@ class _Finder(importlib.abc.MetaPathFinder):
                     spec.loader = _Loader(spec.loader, fullname)
                 return spec
         return None
+
+
+class ImportFix:
+    """The apply / revert / is_applied of a verl-omni patch: ``fix`` runs on each of ``modules`` when it is
+    imported; revert forgets the hooks and restores what ``swaps`` changed. Idempotent both ways."""
+
+    def __init__(self, modules: tuple[str, ...], fix: Fix, swaps: AttributeSwaps) -> None:
+        self.modules, self.fix, self.swaps = modules, fix, swaps
+        self.armed = False
+
+    def apply(self) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        for name in self.modules:
+            when_imported(name, self.fix)
+
+    def revert(self) -> None:
+        forget(self.fix)
+        self.swaps.restore()
+        self.armed = False
+
+    def is_applied(self) -> bool:
+        return self.armed

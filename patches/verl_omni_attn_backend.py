@@ -31,7 +31,6 @@ SOURCE = "workers/config/diffusion/model.py"
 STAND_IN = "native"
 
 _swaps = AttributeSwaps()
-_armed = False
 
 
 def _backend() -> str:
@@ -77,20 +76,5 @@ def _fix(module: ModuleType) -> None:
     logger.info("patched verl-omni DiffusionModelConfig: attn_backend=%s is accepted", backend)
 
 
-def apply() -> None:
-    global _armed
-    if _armed:
-        return
-    _armed = True
-    _verl_omni.when_imported(MODULE, _fix)
-
-
-def revert() -> None:
-    global _armed
-    _verl_omni.forget(_fix)
-    _swaps.restore()
-    _armed = False
-
-
-def is_applied() -> bool:
-    return _armed
+_lifecycle = _verl_omni.ImportFix((MODULE,), _fix, _swaps)
+apply, revert, is_applied = _lifecycle.apply, _lifecycle.revert, _lifecycle.is_applied

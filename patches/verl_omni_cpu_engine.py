@@ -32,7 +32,6 @@ FROM_DEVICE, DEVICE = "cuda", "cpu"
 BACKENDS = ("fsdp", "fsdp2")
 
 _swaps = AttributeSwaps()
-_armed = False
 _REGISTER = re.compile(r"EngineRegistry\.register\(([^)]*)\)")
 
 
@@ -63,21 +62,5 @@ def _fix(module: ModuleType) -> None:
         logger.info("registered verl-omni engines for device %s: %s", DEVICE, ", ".join(added))
 
 
-def apply() -> None:
-    global _armed
-    if _armed:
-        return
-    _armed = True
-    for name in MODULES:
-        _verl_omni.when_imported(name, _fix)
-
-
-def revert() -> None:
-    global _armed
-    _verl_omni.forget(_fix)
-    _swaps.restore()
-    _armed = False
-
-
-def is_applied() -> bool:
-    return _armed
+_lifecycle = _verl_omni.ImportFix(MODULES, _fix, _swaps)
+apply, revert, is_applied = _lifecycle.apply, _lifecycle.revert, _lifecycle.is_applied

@@ -30,7 +30,6 @@ METHOD = "_init_device_mesh"
 FLOOR = "0.38.0"  # the version verl-omni asks for
 
 _swaps = AttributeSwaps()
-_armed = False
 
 
 def probe() -> Probe:
@@ -83,20 +82,5 @@ def _fix(module: ModuleType) -> None:
         )
 
 
-def apply() -> None:
-    global _armed
-    if _armed:
-        return
-    _armed = True
-    _verl_omni.when_imported(MODULE, _fix)
-
-
-def revert() -> None:
-    global _armed
-    _verl_omni.forget(_fix)
-    _swaps.restore()
-    _armed = False
-
-
-def is_applied() -> bool:
-    return _armed
+_lifecycle = _verl_omni.ImportFix((MODULE,), _fix, _swaps)
+apply, revert, is_applied = _lifecycle.apply, _lifecycle.revert, _lifecycle.is_applied

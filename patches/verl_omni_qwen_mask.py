@@ -39,7 +39,6 @@ REFUSAL = "does not accept an external attention_mask"
 GATED = "_sp_diffusers_gated"  # our mark on the gated function
 
 _swaps = AttributeSwaps()
-_armed = False
 
 
 def _model_cls():
@@ -138,20 +137,5 @@ def _fix(module: ModuleType) -> None:
     logger.info("gated verl-omni %s: one Qwen-Image mask reorder, never an external mask on 0.39+", FUNCTION)
 
 
-def apply() -> None:
-    global _armed
-    if _armed:
-        return
-    _armed = True
-    _verl_omni.when_imported(MODULE, _fix)
-
-
-def revert() -> None:
-    global _armed
-    _verl_omni.forget(_fix)
-    _swaps.restore()
-    _armed = False
-
-
-def is_applied() -> bool:
-    return _armed
+_lifecycle = _verl_omni.ImportFix((MODULE,), _fix, _swaps)
+apply, revert, is_applied = _lifecycle.apply, _lifecycle.revert, _lifecycle.is_applied

@@ -20,6 +20,7 @@ FLOORS = {
     "sp_diffusers.model_kinds": 0,
     "sp_diffusers.handshake": 0,
     "sp_diffusers.masks": 0,
+    "sp_diffusers.scheduler_configs": 0,
     "sp_diffusers.attention": 1,
     "sp_diffusers.registry": 2,
     "sp_diffusers.compat": 2,

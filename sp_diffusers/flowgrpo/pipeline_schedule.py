@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..scheduler_configs import SCHEDULER_DEFAULTS
 from .schedule import qwenimage_mu
 
 __all__ = [
@@ -58,42 +59,6 @@ class Schedule:
         return int(self.timesteps.numel())
 
 
-_WAN_UNIPC = {
-    # Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the pipeline's default, 480p: flow_shift 3)
-    "_class_name": "UniPCMultistepScheduler",
-    "beta_end": 0.02,
-    "beta_schedule": "linear",
-    "beta_start": 0.0001,
-    "final_sigmas_type": "zero",
-    "flow_shift": 3.0,
-    "lower_order_final": True,
-    "num_train_timesteps": 1000,
-    "predict_x0": True,
-    "prediction_type": "flow_prediction",
-    "solver_order": 2,
-    "solver_type": "bh2",
-    "timestep_spacing": "linspace",
-    "use_flow_sigmas": True,
-}
-# The scheduler configs of the released checkpoints, used when no pipeline folder gives one.
-SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
-    # stabilityai/stable-diffusion-3(.5) scheduler_config.json
-    "sd3": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
-    # Qwen/Qwen-Image scheduler_config.json
-    "qwenimage": {
-        "_class_name": "FlowMatchEulerDiscreteScheduler",
-        "base_image_seq_len": 256,
-        "base_shift": 0.5,
-        "max_image_seq_len": 8192,
-        "max_shift": 0.9,
-        "num_train_timesteps": 1000,
-        "shift": 1.0,
-        "shift_terminal": 0.02,
-        "time_shift_type": "exponential",
-        "use_dynamic_shifting": True,
-    },
-    "wan": _WAN_UNIPC,
-}
 _SUPPORTED_CLASSES = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
 
 

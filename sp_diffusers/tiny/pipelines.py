@@ -8,26 +8,13 @@ from typing import Any
 
 import torch
 
+from ..scheduler_configs import scheduler_kwargs
 from ._registry import tiny_model
 
 __all__ = ["WAN_SCHEDULER_CONFIG", "save_tiny_sd3_pipeline", "save_tiny_wan_pipeline", "tiny_umt5"]
 
-# Wan2.1-T2V-1.3B-Diffusers' scheduler_config.json (the fields that differ from UniPC's defaults)
-WAN_SCHEDULER_CONFIG = {
-    "beta_end": 0.02,
-    "beta_schedule": "linear",
-    "beta_start": 0.0001,
-    "final_sigmas_type": "zero",
-    "flow_shift": 3.0,
-    "lower_order_final": True,
-    "num_train_timesteps": 1000,
-    "predict_x0": True,
-    "prediction_type": "flow_prediction",
-    "solver_order": 2,
-    "solver_type": "bh2",
-    "timestep_spacing": "linspace",
-    "use_flow_sigmas": True,
-}
+# Wan2.1-T2V-1.3B-Diffusers' scheduler_config.json (UniPC, flow sigmas, flow_shift 3)
+WAN_SCHEDULER_CONFIG = scheduler_kwargs("wan")
 
 
 def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:

@@ -1,0 +1,51 @@
+"""The scheduler configs of the released checkpoints (each repository's ``scheduler/scheduler_config.json``): what a
+family's pipeline samples with when no pipeline folder gives its own. One source for the FlowGRPO schedules
+(``flowgrpo.pipeline_schedule``) and the tiny pipelines (``tiny.pipelines``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SCHEDULER_DEFAULTS", "scheduler_kwargs"]
+
+_WAN_UNIPC = {
+    # Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json (the pipeline's default, 480p: flow_shift 3)
+    "_class_name": "UniPCMultistepScheduler",
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "beta_start": 0.0001,
+    "final_sigmas_type": "zero",
+    "flow_shift": 3.0,
+    "lower_order_final": True,
+    "num_train_timesteps": 1000,
+    "predict_x0": True,
+    "prediction_type": "flow_prediction",
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "timestep_spacing": "linspace",
+    "use_flow_sigmas": True,
+}
+# The scheduler configs of the released checkpoints, used when no pipeline folder gives one.
+SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
+    # stabilityai/stable-diffusion-3(.5) scheduler_config.json
+    "sd3": {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
+    # Qwen/Qwen-Image scheduler_config.json
+    "qwenimage": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "base_image_seq_len": 256,
+        "base_shift": 0.5,
+        "max_image_seq_len": 8192,
+        "max_shift": 0.9,
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "shift_terminal": 0.02,
+        "time_shift_type": "exponential",
+        "use_dynamic_shifting": True,
+    },
+    "wan": _WAN_UNIPC,
+}
+
+
+def scheduler_kwargs(family: str) -> dict[str, Any]:
+    """The family's default config as constructor keywords (without ``_class_name``)."""
+    return {k: v for k, v in SCHEDULER_DEFAULTS[family].items() if k != "_class_name"}
