@@ -11,11 +11,16 @@ from __future__ import annotations
 from . import (
     backend_leak,
     cpu_device_count,
+    helios_plan,
+    ltx2_plan,
     mesh_injection,
     native_ulysses,
+    per_token_timestep,
+    plan_optional_inputs,
     qwenimage_joint_mask,
     root_hook_return_dict,
     uneven_sharding,
+    wan_text_split,
 )
 from ._base import Probe
 
@@ -27,6 +32,12 @@ ALL_PATCHES = (
     qwenimage_joint_mask,
     backend_leak,
     native_ulysses,
+    # the shipped plans that are wrong for training, and the hook defect their fixes need
+    plan_optional_inputs,
+    per_token_timestep,
+    wan_text_split,
+    ltx2_plan,
+    helios_plan,
 )
 
 __all__ = ["ALL_PATCHES", "Probe"]
