@@ -3,9 +3,11 @@
 Defect: ``ContextParallelSplitHook.pre_forward`` looks every input its plan names up in the call's arguments
 (``ModuleForwardMetadata._get_parameter_from_args_kwargs``); one passed neither by keyword nor by position
 raises ``ValueError: Expected <i> arguments but got <n>`` - even an optional input whose default is ``None``,
-which the hook skips when it is passed explicitly as ``None``. Shipped plans name optional inputs: LTX-Video and
-LTX-2 (``encoder_attention_mask``), so an LTX call under context parallelism without a text mask fails; and a
-plan cannot name an input that only some calls pass (LTX-2's ``audio_timestep``, ``video_keyframes_mask``).
+which the hook skips when it is passed explicitly as ``None``. Shipped plans name optional inputs: 0.36's
+Qwen-Image plan splits ``encoder_hidden_states_mask`` at the root, so a Qwen-Image call without a text mask
+fails under context parallelism (and works without it); and a plan cannot name an input that only some calls
+pass - the fixed LTX-2 plan (``ltx2_plan``) names both text masks, ``audio_timestep`` and
+``video_keyframes_mask``, all optional.
 Affected: every release with context parallelism, 0.36-0.42. Upstream: none filed
 (hooks/context_parallel.py ``ModuleForwardMetadata``).
 Fix: a named input that is not passed and whose parameter defaults to ``None`` is reported as ``None`` (the
