@@ -51,39 +51,56 @@ def classify(
     verdict: an error names the rank whose mask does not fit.
     """
     s_q, s_kv = sum(q_sizes), sum(kv_sizes)
-    forms = []
+
+    def fits(n: int, local: int, total: int) -> set[str]:
+        # A rank holding one token reads a dim of 1 as broadcast or as its local length alike: the
+        # other ranks' masks decide (a 7-token text mask split 2, 2, 2, 1 over 4 ranks is local everywhere).
+        out = {"1"} if n == 1 and total != 1 else set()
+        if n == total:
+            out.add("global")
+        if n == local:
+            out.add("local")
+        return out
+
+    candidates = []
     for rank, shape in enumerate(shapes):
         b, h, q, k = _as_4d(shape, batch, (kv_sizes[rank], s_kv))
-
-        def form(n: int, local: int, total: int) -> str | None:
-            if n == 1 and total != 1:
-                return "1"
-            if n == total:
-                return "global"
-            return "local" if n == local else None
-
-        fq, fk = form(q, q_sizes[rank], s_q), form(k, kv_sizes[rank], s_kv)
-        if b not in (1, batch) or h not in (1, heads) or fq is None or fk is None:
+        fq, fk = fits(q, q_sizes[rank], s_q), fits(k, kv_sizes[rank], s_kv)
+        if b not in (1, batch) or h not in (1, heads) or not fq or not fk:
             raise MaskError(
                 f"attn_mask shape {tuple(shape)} on rank {rank} of the SP group fits neither local nor global "
                 f"lengths: expected [b, h, q, k] with b in (1, {batch}), h in (1, {heads}), q in (1, "
                 f"{q_sizes[rank]} local, {s_q} global), k in (1, {kv_sizes[rank]} local, {s_kv} global)"
             )
-        if fq == "local" and fk == "local":
-            raise MaskError(
-                f"attn_mask shape {tuple(shape)} has the local length on both the query ({q}) and the key dim: "
-                "it only covers this rank's diagonal block of the global mask. Pass the global mask "
-                f"[.., {s_q}, {s_kv}], the rows of the local queries [.., {q_sizes[rank]}, {s_kv}], or a "
-                "key-padding mask"
-            )
-        forms.append((fq, fk))
-    if len(set(forms)) > 1:
-        per_rank = ", ".join(f"rank {r}: q {fq}, k {fk}" for r, (fq, fk) in enumerate(forms))
+        candidates.append((fq, fk))
+
+    def common(dim: int, preferred: tuple[str, ...]) -> str | None:
+        # two forms fit on every rank only when every rank holds one token: a query dim of 1 is then read as
+        # broadcast (key-padding masks), a key dim of 1 as the local length (masks split with the keys)
+        shared = set.intersection(*(c[dim] for c in candidates))
+        return next((f for f in preferred if f in shared), None)
+
+    form = (common(0, ("global", "1", "local")), common(1, ("global", "local", "1")))
+    if form[0] is None or form[1] is None:
+
+        def shown(forms: set[str]) -> str:
+            return "/".join(sorted(forms))
+
+        per_rank = ", ".join(
+            f"rank {r}: q {shown(fq)}, k {shown(fk)}" for r, (fq, fk) in enumerate(candidates)
+        )
         raise MaskError(
             f"attn_mask has a different form on the ranks of the SP group ({per_rank}); fix: pass every rank "
             "a mask of the same form (all global-length, or all local-length)"
         )
-    return forms[0]
+    if form == ("local", "local"):
+        shape = shapes[0]
+        raise MaskError(
+            f"attn_mask shape {tuple(shape)} has the local length on both the query ({_as_4d(shape, batch, (kv_sizes[0], s_kv))[2]}) "
+            "and the key dim: it only covers this rank's diagonal block of the global mask. Pass the global mask "
+            f"[.., {s_q}, {s_kv}], the rows of the local queries [.., {q_sizes[0]}, {s_kv}], or a key-padding mask"
+        )
+    return form
 
 
 def prepare_mask(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KINDS", "class_name", "model_class"]
+__all__ = ["KINDS", "class_name", "kind_available", "model_class"]
 
 # kind -> diffusers class name
 KINDS: dict[str, str] = {
@@ -18,6 +18,17 @@ KINDS: dict[str, str] = {
     "sd3": "SD3Transformer2DModel",
     "hunyuanvideo": "HunyuanVideoTransformer3DModel",
     "cogvideox": "CogVideoXTransformer3DModel",
+    # the other transformers diffusers ships a context-parallel plan for (LTX-2, Helios: 0.37+; MiniMax-H3: 0.40+)
+    "flux2": "Flux2Transformer2DModel",
+    "chronoedit": "ChronoEditTransformer3DModel",
+    "ltx": "LTXVideoTransformer3DModel",
+    "ltx2": "LTX2VideoTransformer3DModel",
+    "helios": "HeliosTransformer3DModel",
+    "minimax_h3": "MiniMaxH3Transformer3DModel",
+    # models diffusers ships without a plan, planned by sp_diffusers.plans
+    "zimage": "ZImageTransformer2DModel",
+    "hunyuanvideo15": "HunyuanVideo15Transformer3DModel",
+    "wanvace": "WanVACETransformer3DModel",
 }
 
 
@@ -34,6 +45,15 @@ def model_class(kind: str) -> type:
             "does not have; fix: upgrade diffusers"
         )
     return cls
+
+
+def kind_available(kind: str) -> bool:
+    """Whether the installed diffusers has ``kind``'s class (LTX-2 and Helios arrived in 0.37, MiniMax-H3 in 0.40)."""
+    import diffusers
+
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not a known model kind; choose one of {tuple(KINDS)}")
+    return getattr(diffusers, KINDS[kind], None) is not None
 
 
 def class_name(model: torch.nn.Module) -> str:

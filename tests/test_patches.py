@@ -22,6 +22,11 @@ AFFECTED = {
     "backend_leak": lambda m: m >= (0, 37),
     "native_ulysses": lambda m: True,
     "uneven_sharding": lambda m: True,
+    "plan_optional_inputs": lambda m: True,
+    "per_token_timestep": lambda m: True,
+    "wan_text_split": lambda m: m <= (0, 36),
+    "ltx2_plan": lambda m: m >= (0, 37),  # the classes arrived in 0.37
+    "helios_plan": lambda m: m >= (0, 37),
 }
 
 

@@ -13,22 +13,29 @@ Users register plans for their own models with :func:`register_plan`.
     sd3.py             SD3 / SD3.5
     hunyuan_video.py   HunyuanVideo (T2V, token-replace I2V)
     cogvideox.py       CogVideoX 1.0 / 1.5
+    zimage.py          Z-Image (Turbo, Base, Omni)
+    hunyuan_video15.py HunyuanVideo-1.5
+    wan_vace.py        Wan-VACE
 """
 
 from __future__ import annotations
 
-from . import cogvideox, hunyuan_video, sd3  # noqa: F401  (each registers its plan)
+from . import cogvideox, hunyuan_video, hunyuan_video15, sd3, wan_vace, zimage  # noqa: F401  (each registers its plan)
 from ._registry import ModelPlan, PlanStatus, attach, detach, prepare_model, register_plan, registered_plans
 from .cogvideox import CogVideoXJointAttnProcessor
 from .hunyuan_video import HunyuanVideoJointAttnProcessor
+from .hunyuan_video15 import HunyuanVideo15KeyMaskAttnProcessor
 from .sd3 import SD3JointAttnProcessor
+from .zimage import ZImageRefinerAttnProcessor
 
 __all__ = [
     "CogVideoXJointAttnProcessor",
+    "HunyuanVideo15KeyMaskAttnProcessor",
     "HunyuanVideoJointAttnProcessor",
     "ModelPlan",
     "PlanStatus",
     "SD3JointAttnProcessor",
+    "ZImageRefinerAttnProcessor",
     "attach",
     "detach",
     "prepare_model",

@@ -1,4 +1,4 @@
-"""Tiny text-to-image transformers (Qwen-Image, Flux, SD3) and inputs that fit them."""
+"""Tiny text-to-image transformers (Qwen-Image, Flux, Flux.2, SD3, Z-Image) and inputs that fit them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..compat import diffusers_version
-from ._registry import TinyKind, register, text_mask
+from ._registry import TinyKind, accepted_config, register, text_mask
 
 
 def _qwenimage_config() -> dict[str, Any]:
@@ -135,6 +135,102 @@ def _sd3_inputs(
     return inputs
 
 
+def _flux2_config() -> dict[str, Any]:
+    # Flux.2: a 4-axis RoPE over (t, h, w, l) ids whose dims sum to the head dim; 0.36 has no guidance_embeds
+    return accepted_config(
+        "flux2",
+        dict(
+            patch_size=1,
+            in_channels=16,
+            out_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            timestep_guidance_channels=32,
+            mlp_ratio=2.0,
+            axes_dims_rope=(4, 4, 4, 4),
+            guidance_embeds=True,
+        ),
+    )
+
+
+def _flux2_inputs(
+    model: torch.nn.Module,
+    g: torch.Generator,
+    t: torch.Tensor,
+    batch: int,
+    text_len: int,
+    image_hw: tuple[int, int],
+    frames: int,
+    ragged_text: bool,
+) -> dict[str, Any]:
+    cfg = model.config
+    h, w = image_hw
+    img_ids = torch.zeros(h, w, 4)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    txt_ids = torch.zeros(text_len, 4)
+    txt_ids[:, 3] = torch.arange(text_len)
+    # Flux.2's ids carry the batch dim ([B, S, 4]): that is what its plan splits (dim 1, 3-D)
+    inputs: dict[str, Any] = dict(
+        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g),
+        timestep=t / 1000.0,
+        img_ids=img_ids.reshape(1, h * w, 4).expand(batch, -1, -1).contiguous(),
+        txt_ids=txt_ids[None].expand(batch, -1, -1).contiguous(),
+    )
+    if getattr(cfg, "guidance_embeds", True):
+        inputs["guidance"] = torch.full((batch,), 4.0)
+    return inputs
+
+
+def _zimage_config() -> dict[str, Any]:
+    # single-stream S3-DiT; axes_dims sum to the head dim; one refiner layer per stream
+    return dict(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=4,
+        dim=64,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=4,
+        n_kv_heads=4,
+        cap_feat_dim=32,
+        axes_dims=[4, 6, 6],
+        axes_lens=[256, 32, 32],
+    )
+
+
+def _zimage_inputs(
+    model: torch.nn.Module,
+    g: torch.Generator,
+    t: torch.Tensor,
+    batch: int,
+    text_len: int,
+    image_hw: tuple[int, int],
+    frames: int,
+    ragged_text: bool,
+) -> dict[str, Any]:
+    cfg = model.config
+    # Per-sample lists: latents [C, 1, H, W] and captions [L_i, cap_feat_dim]. The model pads every item to a
+    # multiple of 32 tokens itself; a ragged batch gives samples of different padded lengths (and so the batch
+    # key mask) only where a caption crosses a multiple of 32, hence a longer first caption.
+    lengths = [text_len] * batch
+    if ragged_text:
+        lengths = [text_len + 32, *text_mask(batch, text_len, g)[1:].sum(1).tolist()]
+    return dict(
+        x=[torch.randn(cfg.in_channels, 1, *image_hw, generator=g) for _ in range(batch)],
+        t=t / 1000.0,
+        cap_feats=[torch.randn(int(n), cfg.cap_feat_dim, generator=g) for n in lengths],
+        patch_size=cfg.all_patch_size[0],
+        f_patch_size=cfg.all_f_patch_size[0],
+    )
+
+
 register("qwenimage", TinyKind(_qwenimage_config, _qwenimage_inputs))
 register("flux", TinyKind(_flux_config, _flux_inputs))
 register("sd3", TinyKind(_sd3_config, _sd3_inputs))
+register("flux2", TinyKind(_flux2_config, _flux2_inputs))
+register("zimage", TinyKind(_zimage_config, _zimage_inputs))

@@ -1,4 +1,4 @@
-"""Tiny text-to-video transformers (Wan, HunyuanVideo, CogVideoX) and inputs that fit them."""
+"""Tiny text-to-video transformers (Wan, HunyuanVideo, HunyuanVideo-1.5, CogVideoX) and inputs that fit them."""
 
 from __future__ import annotations
 
@@ -104,6 +104,55 @@ def _hunyuanvideo_inputs(
     return inputs
 
 
+def _hunyuanvideo15_config() -> dict[str, Any]:
+    # text-to-video: latent (4) + condition latent (4) + mask (1) channels, as the 1.5 checkpoints pack them;
+    # the byT5 projection's 2048 width is fixed by diffusers (most of this tiny model's parameters)
+    return dict(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=4,
+        attention_head_dim=16,
+        num_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=32,
+        text_embed_2_dim=16,
+        image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6),
+    )
+
+
+def _hunyuanvideo15_inputs(
+    model: torch.nn.Module,
+    g: torch.Generator,
+    t: torch.Tensor,
+    batch: int,
+    text_len: int,
+    image_hw: tuple[int, int],
+    frames: int,
+    ragged_text: bool,
+) -> dict[str, Any]:
+    cfg = model.config
+    # three context streams, each with its own key mask: the MLLM prompt, the byT5 glyph prompt and the image
+    # tokens (all-zero image embeds are how the pipeline says text-to-video: their mask is then all False)
+    text_len_2 = max(2, text_len // 2)
+    masks = [
+        text_mask(batch, n, g) if ragged_text else torch.ones(batch, n, dtype=torch.bool)
+        for n in (text_len, text_len_2)
+    ]
+    return dict(
+        hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),
+        timestep=t,
+        encoder_hidden_states=torch.randn(batch, text_len, cfg.text_embed_dim, generator=g),
+        encoder_attention_mask=masks[0].long(),
+        encoder_hidden_states_2=torch.randn(batch, text_len_2, cfg.text_embed_2_dim, generator=g),
+        encoder_attention_mask_2=masks[1].long(),
+        image_embeds=torch.zeros(batch, 3, cfg.image_embed_dim),
+    )
+
+
 def _cogvideox_config() -> dict[str, Any]:
     # CogVideoX-1.5-style: RoPE given as an input (no sincos positions), temporal patches of 2 frames
     return dict(
@@ -154,3 +203,4 @@ def _cogvideox_inputs(
 register("wan", TinyKind(_wan_config, _wan_inputs))
 register("hunyuanvideo", TinyKind(_hunyuanvideo_config, _hunyuanvideo_inputs))
 register("cogvideox", TinyKind(_cogvideox_config, _cogvideox_inputs))
+register("hunyuanvideo15", TinyKind(_hunyuanvideo15_config, _hunyuanvideo15_inputs))

@@ -127,6 +127,8 @@ def _cases(world: int) -> list[dict]:
     add("cross_attention", S_kv=2 * S)
     add("cross_attention_short_kv", S_q=2 * S, S_kv=S)
     add("cross_attention_key_padding_local", S_kv=2 * S, mask="kp2d", local_mask_dims=(-1,))
+    # 2P - 1 keys: the last rank holds one, its local key mask has a dim of 1 (local length, not broadcast)
+    add("key_padding_local_one_key_on_a_rank", S_kv=2 * world - 1, mask="kp2d", local_mask_dims=(-1,))
     add("cross_attention_per_head", S_kv=2 * S, mask="per_head")
     add("cross_attention_causal", S_kv=2 * S, is_causal=True)
     add("gqa", H=2 * world, H_kv=world)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .common import max_err, shard, ulysses_parallel_config
+from .plan_patch_checks import plan_checks
 
 
 def _quiet() -> None:
@@ -308,6 +309,7 @@ def patch_checks(rank: int, world: int) -> dict:
             continue
         out["checks"][name] = check(world)
         dist.barrier()
+    out["checks"].update(plan_checks(world))
     for patch in ALL_PATCHES:
         if out["probe"][patch.NAME]:
             out["idempotent"][patch.NAME] = _idempotent(patch)
