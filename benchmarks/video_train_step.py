@@ -84,7 +84,7 @@ def _data(trainer) -> tuple:
     g = torch.Generator().manual_seed(0)
     prompts = ["a red lighthouse at dusk"]
     batch = trainer.engine.prepare_batch(
-        {"prompts": prompts, **trainer.text_encoder.encode_batch(prompts), "shuffle_seed": 1}, image_keys=()
+        {"prompts": prompts, **trainer.text_encoder.encode_batch(prompts), "shuffle_seed": 1}
     )
     shape = trainer.adapter.latent_shape(1)
     latents = torch.randn(1, 3, *shape[1:], generator=g)

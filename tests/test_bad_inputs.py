@@ -393,7 +393,7 @@ CASES = [
         "engine_optim_lr_nan",
         lambda mp, tp: __import__("sp_diffusers").OptimSettings(lr=float("nan")),
         ValueError,
-        ["OptimSettings.lr=nan", "finite number > 0"],
+        ["OptimSettings.lr=nan", "finite number >= 0"],
     ),
     (
         "uninstall_while_a_model_uses_the_backend",

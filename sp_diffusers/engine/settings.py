@@ -28,7 +28,7 @@ class OptimSettings:
     def __post_init__(self) -> None:
         # a NaN compares false with everything: NaN lr/eps poison every parameter, a NaN norm turns clipping off
         checks = [
-            ("lr", self.lr, self.lr > 0, "a finite number > 0"),
+            ("lr", self.lr, self.lr >= 0, "a finite number >= 0"),
             ("eps", self.eps, self.eps > 0, "a finite number > 0"),
             ("weight_decay", self.weight_decay, self.weight_decay >= 0, "a finite number >= 0"),
             ("max_grad_norm", self.max_grad_norm, True, "a finite number (<= 0: no clipping)"),

@@ -232,8 +232,9 @@ def validate(config: TrainConfig) -> None:
         g.window_size,
         f"must be <= flowgrpo.num_steps={g.num_steps}",
     )
+    # lr = 0 is allowed: a benchmark or a probe may run the update without moving the model
+    _require(finite(o.lr) and o.lr >= 0, "optim.lr", o.lr, "must be a finite number >= 0")
     for key, value in (
-        ("optim.lr", o.lr),
         ("optim.eps", o.eps),
         ("flowgrpo.noise_level", g.noise_level),
         ("flowgrpo.clip_range", g.clip_range),

@@ -51,7 +51,7 @@ def algorithms(rank: int, world: int, sp: int) -> dict:
         if name == "cps":
             config.text.encoder = "byte"
         trainer = _trainer(config)
-        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0), image_keys=())
+        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
         traj, adv, old, _ = trainer.collect(batch)
         metrics = trainer.update(batch, traj, adv, old)
         out[name] = {
@@ -87,7 +87,7 @@ def zero_advantage_filter(rank: int, world: int, sp: int) -> dict:
 
     trainer.reward = reward
     first = trainer.train_iteration(0)
-    batch = trainer.engine.prepare_batch(trainer.iteration_batch(1), image_keys=())
+    batch = trainer.engine.prepare_batch(trainer.iteration_batch(1))
     kept_check = trainer.collect(batch)[3]
     kept = batch["kept_indices"].tolist()
     step_after_first = trainer.engine.global_step
