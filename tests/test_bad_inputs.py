@@ -402,6 +402,14 @@ CASES = [
         ["uninstall()", "still use 'ulysses_sdpa'", "reset_attention_backend()"],
     ),
     (
+        "run_dir_unwritable",
+        lambda mp, tp: _trainer(
+            **{"train.out_dir": _written(tp / "a-file", "") + "/run", "train.iterations": 1}
+        ).run(),
+        ValueError,
+        ["train.out_dir=", "cannot be written", "Not a directory", "writable --out-dir"],
+    ),
+    (
         "run_dir_in_use",
         lambda mp, tp: _second_run(tp),
         ValueError,
