@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ __all__ = [
     "prepare_model",
     "register_plan",
     "registered_plans",
+    "swap_processors",
 ]
 
 
@@ -57,6 +59,16 @@ def register_plan(
     module = "diffusers" if isinstance(model_class, str) else model_class.__module__
     builder = cp_plan if callable(cp_plan) else (lambda plan=cp_plan: plan)
     _PLANS[name] = ModelPlan(name, builder, prepare, module)
+
+
+def swap_processors(model: torch.nn.Module, old: type, make: Callable[[], Any]) -> None:
+    """Give every ``Attention`` of ``model`` whose processor is exactly ``old`` a fresh ``make()`` (a plan's
+    prepare hook: the processor that routes attention through the dispatcher with the plan's masks)."""
+    from diffusers.models.attention_processor import Attention
+
+    for module in model.modules():
+        if isinstance(module, Attention) and type(module.processor) is old:
+            module.set_processor(make())
 
 
 def registered_plans() -> dict[str, ModelPlan]:

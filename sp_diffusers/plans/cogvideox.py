@@ -10,7 +10,7 @@ import torch
 
 from ..cp_groups import cp_world
 from ._joint import stream_sizes, text_key_mask
-from ._registry import register_plan
+from ._registry import register_plan, swap_processors
 
 __all__ = ["CogVideoXJointAttnProcessor"]
 
@@ -135,11 +135,9 @@ def _cogvideox_plan() -> dict:
 
 
 def _prepare_cogvideox(model: torch.nn.Module) -> None:
-    from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 
-    for module in model.modules():
-        if isinstance(module, Attention) and type(module.processor) is CogVideoXAttnProcessor2_0:
-            module.set_processor(CogVideoXJointAttnProcessor())
+    swap_processors(model, CogVideoXAttnProcessor2_0, CogVideoXJointAttnProcessor)
 
 
 register_plan("CogVideoXTransformer3DModel", _cogvideox_plan, _prepare_cogvideox)

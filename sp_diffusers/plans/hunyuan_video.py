@@ -11,7 +11,7 @@ import torch
 
 from ..cp_groups import cp_groups, cp_world
 from ._joint import block_parallel_config, bound_args, stream_sizes, to_all_to_all_order
-from ._registry import register_plan
+from ._registry import register_plan, swap_processors
 
 __all__ = ["HunyuanVideoJointAttnProcessor"]
 
@@ -135,16 +135,13 @@ def _hunyuan_video_plan(first_block: str = "transformer_blocks.0") -> dict:
 
 
 def _prepare_hunyuan_video(model: torch.nn.Module) -> None:
-    from diffusers.models.attention_processor import Attention
     from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 
     blocks = (*model.transformer_blocks, *model.single_transformer_blocks)
     if not len(model.transformer_blocks) and type(model)._cp_plan is not None:
         # no dual-stream block: this model's streams first meet in a single-stream block (same inputs)
         model._cp_plan = _hunyuan_video_plan("single_transformer_blocks.0")
-    for module in model.modules():
-        if isinstance(module, Attention) and type(module.processor) is HunyuanVideoAttnProcessor2_0:
-            module.set_processor(HunyuanVideoJointAttnProcessor())
+    swap_processors(model, HunyuanVideoAttnProcessor2_0, HunyuanVideoJointAttnProcessor)
     if model.config.image_condition_type == "token_replace":
         for block in blocks:
             if not getattr(block, "_sp_diffusers_first_frame_hook", False):

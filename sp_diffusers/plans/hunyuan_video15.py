@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._registry import register_plan
+from ._registry import register_plan, swap_processors
 
 __all__ = ["HunyuanVideo15KeyMaskAttnProcessor"]
 
@@ -109,12 +109,9 @@ def _hunyuan_video15_plan() -> dict:
 
 
 def _prepare_hunyuan_video15(model: torch.nn.Module) -> None:
-    from diffusers.models.attention_processor import Attention
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-    for module in model.modules():
-        if isinstance(module, Attention) and type(module.processor) is HunyuanVideo15AttnProcessor2_0:
-            module.set_processor(HunyuanVideo15KeyMaskAttnProcessor())
+    swap_processors(model, HunyuanVideo15AttnProcessor2_0, HunyuanVideo15KeyMaskAttnProcessor)
 
 
 register_plan("HunyuanVideo15Transformer3DModel", _hunyuan_video15_plan, _prepare_hunyuan_video15)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ._joint import stream_sizes, text_key_mask
-from ._registry import register_plan
+from ._registry import register_plan, swap_processors
 
 __all__ = ["SD3JointAttnProcessor"]
 
@@ -106,11 +106,9 @@ def _sd3_plan() -> dict:
 
 
 def _prepare_sd3(model: torch.nn.Module) -> None:
-    from diffusers.models.attention_processor import Attention, JointAttnProcessor2_0
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    for module in model.modules():
-        if isinstance(module, Attention) and type(module.processor) is JointAttnProcessor2_0:
-            module.set_processor(SD3JointAttnProcessor())
+    swap_processors(model, JointAttnProcessor2_0, SD3JointAttnProcessor)
 
 
 register_plan("SD3Transformer2DModel", _sd3_plan, _prepare_sd3)
