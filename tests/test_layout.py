@@ -35,6 +35,7 @@ FLOORS = {
     "sp_diffusers.engine": 5,
     "sp_diffusers.flowgrpo": 6,
     "sp_diffusers.integrations": 7,
+    "sp_diffusers.plan": 7,
     "sp_diffusers.demo": 7,
     "sp_diffusers.cli": 8,
 }

@@ -1,0 +1,125 @@
+"""The micro-batch of a plan: pixels (or a token count) -> latent grid -> transformer tokens, and the forward
+inputs of that size for a model (built by ``sp_diffusers.tiny.tiny_inputs``, the one source of each family's
+input layout)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .models import ModelSpec, PlanError
+
+__all__ = ["Workload", "build_inputs", "workload_from_pixels", "workload_from_tokens"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One micro-batch: ``batch`` samples of a latent grid of ``grid`` tokens (frames, height, width) and text."""
+
+    batch: int
+    grid: tuple[int, int, int]  # tokens along (time, height, width)
+    text_len: int
+    pixels: tuple[int, int, int] | None = None  # (height, width, frames) asked for; None with --tokens
+
+    @property
+    def tokens(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+    def describe(self, spec: ModelSpec) -> str:
+        f = spec.family
+        t, h, w = self.grid
+        how = (
+            f"VAE {f.vae_spatial}x spatial"
+            + (f", {f.vae_temporal}x temporal" if f.video else "")
+            + f", patch {f.patch}x{f.patch}"
+            + (f"x{f.patch_t}" if f.video else "")
+        )
+        source = ""
+        if self.pixels is not None:
+            ph, pw, frames = self.pixels
+            source = f"{ph}x{pw}" + (f" x {frames} frames" if f.video else "") + " -> "
+        grid = f"{t} x {h} x {w}" if f.video else f"{h} x {w}"
+        return f"{source}{self.tokens:,} tokens ({grid}; {how}) + {self.text_len} text tokens, batch {self.batch}"
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PlanError(f"{name}={value!r} is invalid: it must be a positive integer")
+    return value
+
+
+def workload_from_pixels(
+    spec: ModelSpec, height: int, width: int, frames: int = 1, batch: int = 1, text_len: int | None = None
+) -> Workload:
+    """The tokens of ``height x width`` pixels (and ``frames`` for video) after the family's VAE and patching."""
+    f = spec.family
+    m = f.pixel_multiple
+    for name, value in (("--height", height), ("--width", width)):
+        _positive(name, value)
+        if value % m:
+            lower, upper = value // m * m, -(-value // m) * m
+            raise PlanError(
+                f"{name} {value} is not a multiple of {m} ({spec.name}: VAE {f.vae_spatial}x times patch "
+                f"{f.patch}); fix: use {lower or upper} or {upper}"
+            )
+    _positive("--frames", frames)
+    _positive("--batch", batch)
+    if not f.video and frames != 1:
+        raise PlanError(f"--frames {frames}: {spec.name} makes images; fix: leave --frames out (or 1)")
+    if f.video and (frames - 1) % f.vae_temporal:
+        k = (frames - 1) // f.vae_temporal
+        raise PlanError(
+            f"--frames {frames}: {spec.name}'s VAE takes {f.vae_temporal}k + 1 frames; fix: use "
+            f"{k * f.vae_temporal + 1} or {(k + 1) * f.vae_temporal + 1}"
+        )
+    latent_t = (frames - 1) // f.vae_temporal + 1 if f.video else 1
+    if latent_t % f.patch_t:
+        raise PlanError(
+            f"--frames {frames}: {latent_t} latent frames do not divide the temporal patch {f.patch_t}"
+        )
+    grid = (latent_t // f.patch_t, height // m, width // m)
+    return Workload(batch, grid, _text_len(spec, text_len), (height, width, frames))
+
+
+def workload_from_tokens(
+    spec: ModelSpec, tokens: int, batch: int = 1, text_len: int | None = None
+) -> Workload:
+    """About ``tokens`` tokens as a near-16:9 grid (video: frames of at most 720p, 45 x 80 tokens each)."""
+    _positive("--tokens", tokens)
+    _positive("--batch", batch)
+    frames = max(1, math.ceil(tokens / 3600)) if spec.family.video else 1
+    per_frame = max(1, round(tokens / frames))
+    h = max(1, math.isqrt(per_frame * 9 // 16) if spec.family.video else math.isqrt(per_frame))
+    w = max(1, round(per_frame / h))
+    return Workload(batch, (frames, h, w), _text_len(spec, text_len))
+
+
+def _text_len(spec: ModelSpec, text_len: int | None) -> int:
+    return spec.family.text_len if text_len is None else _positive("--text-len", text_len)
+
+
+def build_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> dict[str, Any]:
+    """The forward kwargs of ``work`` for ``model`` (full-length text, no padding mask)."""
+    from ..tiny import tiny_inputs
+
+    f = spec.family
+    t, h, w = work.grid
+    latent = (t * f.patch_t, h * f.patch, w * f.patch)
+    # flux's builder takes the packed token grid, the others the latent grid they patchify themselves
+    image_hw = (h, w) if f.kind == "flux" else latent[1:]
+    inputs = tiny_inputs(
+        f.kind,
+        model,
+        batch=work.batch,
+        text_len=work.text_len,
+        image_hw=image_hw,
+        frames=latent[0],
+        ragged_text=False,
+    )
+    if f.kind == "flux" and model.config.get("guidance_embeds"):
+        inputs["guidance"] = torch.full((work.batch,), 3.5)
+    return inputs
