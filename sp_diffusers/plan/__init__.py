@@ -1,0 +1,12 @@
+"""The planner: which (ulysses, ring, dp, checkpointing) layout fits a model and a video on N GPUs, from fake-tensor
+runs of the real diffusers class through ``FSDPEngine`` on a fake process group of N ranks (no memory allocated),
+with per-GPU memory by part (torch's memory trackers) and FLOPs (torch's FLOP formulas).
+
+    models.py       the built-in model configs (released checkpoints' config.json) and family facts
+    shapes.py       pixels or a token count -> latent grid -> tokens; the forward inputs of that size
+    fake_world.py   the fake process group, fake tensors and what value reads see there
+    _premerge.py    the one temporary workaround for this engine (Module.to of fake parameters)
+    tracker.py      torch's trackers recording each place's peak, the FLOPs and the bytes each collective sends
+    trace.py        one fake run of FSDPEngine.train_step (and a rollout forward) at one layout
+    extrapolate.py  the block shortcut: runs with 2 and 3 blocks -> the whole model
+"""

@@ -1,0 +1,134 @@
+"""World size N in one CPU process: torch's fake process group, fake tensors, and what code that reads values
+sees there.
+
+The fake process group's collectives return at once and move no data; fake tensors have shapes but no values.
+So the run simulates one rank of a rank-symmetric job:
+
+- small integer gathers (``sp_diffusers.comm.gather_ints``: the attention handshake, the uneven-shard gather,
+  the engine's step agreement) return this rank's row for every rank, which is what every rank holds when the
+  ranks run the same layout on the same micro-batch;
+- a value read to the host (``.item()``, ``float(t)``, ``.tolist()``) of a fake tensor without a known value
+  is a stand-in ``1`` of its dtype (``True``, ``1``, ``1.0``): the engine's metrics and its finite-norm check
+  read such values after the work is done, and AdamW's bias correction reads its step counter;
+- a ``DeviceMesh`` keeps real (tiny) tensors: meshes and sub-meshes are built with fake mode suspended,
+  because torch computes a mesh's coordinates from tensor values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+
+__all__ = ["PlanFakeMode", "fake_process_group", "mesh_outside_fake_mode", "symmetric_small_gathers"]
+
+
+class PlanFakeMode(FakeTensorMode):
+    """``FakeTensorMode`` where a host read of a value-less tensor gives a stand-in ``1`` (see module doc)."""
+
+    def __init__(self) -> None:
+        # real tensors (a CPU scalar, a mesh) may meet fake ones: they are treated as constants
+        super().__init__(allow_non_fake_inputs=True)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        try:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            dtype = args[0].dtype
+            return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+
+
+def fake_process_group(world: int) -> None:
+    """Make the default process group a fake one of ``world`` ranks (this process is rank 0)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() == "fake" and dist.get_world_size() == world:
+            return
+        if dist.get_backend() != "fake":
+            raise RuntimeError(
+                "the planner needs its own fake process group, but this process already joined a real one; "
+                "fix: run `sp-diffusers plan` (or sp_diffusers.plan) outside torchrun / init_process_group"
+            )
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def _outside_fake(fn):
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    wrapped.__planner_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapped
+
+
+_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "get_group", "get_local_rank", "get_coordinate")
+
+
+@contextlib.contextmanager
+def mesh_outside_fake_mode() -> Iterator[None]:
+    """DeviceMesh construction and lookups run with fake mode suspended (torch computes mesh coordinates from
+    tensor values: ``nonzero`` has no fake implementation)."""
+    from torch.distributed import device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..mesh import ParallelDims
+
+    saved = {
+        name: DeviceMesh.__dict__[name] for name in (*_MESH_METHODS, "mesh") if name in DeviceMesh.__dict__
+    }
+    build, init = ParallelDims.build_mesh, device_mesh.init_device_mesh
+    try:
+        for name in _MESH_METHODS:
+            if name in saved:
+                setattr(DeviceMesh, name, _outside_fake(saved[name]))
+        if "mesh" in saved:
+            DeviceMesh.mesh = property(_outside_fake(saved["mesh"].fget))  # type: ignore[method-assign]
+        ParallelDims.build_mesh = _outside_fake(build)  # type: ignore[method-assign]
+        device_mesh.init_device_mesh = _outside_fake(init)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(DeviceMesh, name, value)
+        ParallelDims.build_mesh = build  # type: ignore[method-assign]
+        device_mesh.init_device_mesh = init
+
+
+def _symmetric_gather_ints(values: Any, group: Any, device: Any) -> list[list[int]]:
+    return [list(values) for _ in range(dist.get_world_size(group))]
+
+
+@contextlib.contextmanager
+def symmetric_small_gathers() -> Iterator[None]:
+    """Every module that bound ``sp_diffusers.comm.gather_ints`` sees every rank holding this rank's row."""
+    from .. import comm
+
+    original = comm.gather_ints
+    bound = [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None
+        and (name.startswith("sp_diffusers") or name.startswith("patches"))
+        and getattr(m, "gather_ints", None) is original
+    ]
+    try:
+        for module in bound:
+            module.gather_ints = _symmetric_gather_ints
+        yield
+    finally:
+        for module in bound:
+            module.gather_ints = original
