@@ -10,6 +10,9 @@ So the run simulates one rank of a rank-symmetric job:
 - a value read to the host (``.item()``, ``float(t)``, ``.tolist()``) of a fake tensor without a known value
   is a stand-in ``1`` of its dtype (``True``, ``1``, ``1.0``): the engine's metrics and its finite-norm check
   read such values after the work is done, and AdamW's bias correction reads its step counter;
+- small integer and boolean tensors made from nothing or from other real tensors (masks, positions, lengths)
+  stay real, with values: a model that selects tokens with a mask (HunyuanVideo-1.5 orders its text tokens with
+  ``x[mask]``) gets outputs of the right length. Activations and parameters (floating point) are always fake;
 - a ``DeviceMesh`` keeps real (tiny) tensors: meshes and sub-meshes are built with fake mode suspended,
   because torch computes a mesh's coordinates from tensor values.
 """
@@ -26,28 +29,74 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.utils import _pytree as pytree
 
 __all__ = ["PlanFakeMode", "fake_process_group", "mesh_outside_fake_mode", "symmetric_small_gathers"]
 
 
+_REAL_LIMIT = 1 << 22  # elements: a real (valued) integer/bool tensor of at most 32 MiB
+_INDEX_OPS = (
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+)
+
+
+def _valued(t: Any) -> bool:
+    return torch.is_tensor(t) and not isinstance(t, FakeTensor) and not t.is_floating_point()
+
+
+def _small(out: Any) -> bool:
+    leaves = [t for t in pytree.tree_leaves(out) if torch.is_tensor(t)]
+    return bool(leaves) and all(t.numel() <= _REAL_LIMIT and not t.is_floating_point() for t in leaves)
+
+
 class PlanFakeMode(FakeTensorMode):
-    """``FakeTensorMode`` where a host read of a value-less tensor gives a stand-in ``1`` (see module doc)."""
+    """``FakeTensorMode`` with stand-ins for host reads and valued small integer/bool tensors (module doc)."""
 
     def __init__(self) -> None:
-        # real tensors (a CPU scalar, a mesh) may meet fake ones: they are treated as constants
+        # real tensors (a CPU scalar, a mesh, a mask) may meet fake ones
         super().__init__(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _INDEX_OPS and isinstance(args[1], (list, tuple)):
+            args = (args[0], _integer_indices(args[1]), *args[2:])
+        tensors = [a for a in pytree.arg_tree_leaves(*args, **kwargs) if torch.is_tensor(a)]
+        valued = all(_valued(t) for t in tensors)
         try:
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except DynamicOutputShapeException:
+            if not (valued and tensors):  # nonzero & co. of a fake tensor: no length to give
+                raise
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         except DataDependentOutputException:
             if func is not torch.ops.aten._local_scalar_dense.default:
                 raise
             dtype = args[0].dtype
             return True if dtype == torch.bool else (1.0 if dtype.is_floating_point else 1)
+        if valued and _small(out):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return out
+
+
+def _integer_indices(indices: Any) -> list[Any]:
+    """A valued boolean index becomes the integer indices of its True entries (one per mask dim)."""
+    out: list[Any] = []
+    for index in indices:
+        if index is not None and _valued(index) and index.dtype == torch.bool:
+            with unset_fake_temporarily():
+                out.extend(index.nonzero(as_tuple=True))
+        else:
+            out.append(index)
+    return out
 
 
 def fake_process_group(world: int) -> None:

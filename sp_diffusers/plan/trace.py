@@ -57,7 +57,8 @@ class Measure:
 
 def block_lists(spec: ModelSpec) -> dict[str, int]:
     """The block lists of ``spec``'s class and their lengths in ``spec.config`` (built on meta, no memory)."""
-    model = _build(spec, {})
+    with torch.device("meta"):
+        model = _build(spec, {})
     return {
         name: len(child)
         for name, child in model.named_children()
@@ -66,12 +67,13 @@ def block_lists(spec: ModelSpec) -> dict[str, int]:
 
 
 def _build(spec: ModelSpec, counts: dict[str, int]) -> torch.nn.Module:
+    """``spec``'s class with ``counts`` blocks, on the current device / in the current fake mode."""
     from ..model_kinds import model_class
 
     config = dict(spec.config)
     for name, count in counts.items():
         config[BLOCK_COUNT_KEYS[name]] = count
-    with torch.device("meta"), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = model_class(spec.kind)(**config)
     for name, count in counts.items():
@@ -126,7 +128,13 @@ def _engine(req: TraceRequest, model: torch.nn.Module):
 
 
 def _loss(engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
-    out = engine.forward(**batch["inputs"])
+    try:
+        out = engine.forward(**batch["inputs"])
+    except Exception as err:
+        # the engine shares a failure with every rank through all_gather_object, which cannot run on the fake
+        # process group: keep the error to raise it in its own words
+        batch["error"] = err
+        raise
     return out.float().square().mean(), {}
 
 
@@ -141,12 +149,6 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     sp_diffusers.install()
     fake_process_group(req.world)
     counts = dict(req.blocks)
-    model = _build(req.spec, counts)
-    lists = {
-        name: len(child)
-        for name, child in model.named_children()
-        if isinstance(child, torch.nn.ModuleList) and name in BLOCK_COUNT_KEYS
-    }
     quiet = logging.getLogger("diffusers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -161,12 +163,24 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
             _target_habits(req.target),
         ):
             warnings.simplefilter("ignore")
-            model.to_empty(device="cpu")
+            # built in fake mode, not on meta: tensors a model keeps outside its parameters and buffers (RoPE
+            # tables) must be on the device too
+            model = _build(req.spec, counts)
+            lists = {
+                name: len(child)
+                for name, child in model.named_children()
+                if isinstance(child, torch.nn.ModuleList) and name in BLOCK_COUNT_KEYS
+            }
             engine = _engine(req, model)
             inputs = build_inputs(req.spec, engine.model, req.work)
             batch = {"inputs": inputs}
             _create_optimizer_state(engine)
-            train = _traced(engine, lists, inputs, lambda: engine.train_step(batch, _loss))
+            try:
+                train = _traced(engine, lists, inputs, lambda: engine.train_step(batch, _loss))
+            except Exception:
+                if "error" in batch:
+                    raise batch["error"] from None
+                raise
             rollout = None
             if req.rollout:
                 rollout = _traced(engine, lists, inputs, lambda: _rollout(engine, inputs))

@@ -1,0 +1,236 @@
+"""``sp-diffusers plan``: the arguments, the table and the JSON (fields documented in docs/planning.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .hardware import GPUS, hardware
+from .models import BUILTIN, PlanError, resolve_model
+from .planner import GIB, LayoutPlan, Plan, PlanRequest, make_plan
+from .shapes import workload_from_pixels, workload_from_tokens
+
+__all__ = ["add_arguments", "plan_to_json", "request_from_args", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"a built-in model ({', '.join(BUILTIN)}) or a folder / config.json of a diffusers transformer",
+    )
+    size = p.add_argument_group("micro-batch (pixels or --tokens)")
+    size.add_argument("--height", type=int, help="pixels")
+    size.add_argument("--width", type=int, help="pixels")
+    size.add_argument("--frames", type=int, default=None, help="video frames (video models; 4k+1 for most)")
+    size.add_argument("--tokens", type=int, default=None, help="image/video tokens instead of pixel sizes")
+    size.add_argument("--batch", type=int, default=1, help="samples per micro-batch per SP group (default 1)")
+    size.add_argument(
+        "--text-len", type=int, default=None, help="text tokens (default: the family's usual length)"
+    )
+    gpu = p.add_argument_group("GPUs")
+    gpu.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    gpu.add_argument("--gpu", default="h100", help=f"preset: {', '.join(GPUS)} (default h100)")
+    gpu.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: the preset's)")
+    gpu.add_argument(
+        "--tflops", type=float, default=None, help="peak TFLOP/s per GPU (default: the preset's)"
+    )
+    gpu.add_argument(
+        "--bandwidth", type=float, default=None, help="GB/s per GPU inside a node (default: preset)"
+    )
+    gpu.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak (default 0.5)")
+    gpu.add_argument("--reserve", type=float, default=None, help="GiB kept free (default 2 + 5%% of memory)")
+    lay = p.add_argument_group("layout and training")
+    lay.add_argument("--ulysses", type=int, default=None, help="fix the Ulysses degree (default: enumerate)")
+    lay.add_argument("--ring", type=int, default=None, help="fix the ring degree (default: enumerate)")
+    lay.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tuning)")
+    lay.add_argument(
+        "--activation-checkpointing", choices=("on", "off", "auto"), default="auto", help="auto: plan both"
+    )
+    lay.add_argument(
+        "--dtype", choices=("bf16", "fp32"), default="bf16", help="compute precision (default bf16)"
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    out.add_argument(
+        "--workers", type=int, default=None, help="processes tracing in parallel (default: CPU cores, <= 4)"
+    )
+    out.add_argument(
+        "--target", choices=("cuda", "cpu"), default="cuda", help="cpu: predict CPU (gloo) processes"
+    )
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    spec = resolve_model(args.model)
+    if args.tokens is not None:
+        if args.height is not None or args.width is not None:
+            raise PlanError("give either --tokens or --height/--width, not both")
+        work = workload_from_tokens(spec, args.tokens, args.batch, args.text_len)
+    else:
+        if args.height is None or args.width is None:
+            h, w, f = spec.default_size
+            hint = f"--height {h} --width {w}" + (f" --frames {f}" if spec.family.video else "")
+            raise PlanError(f"--height and --width (or --tokens) are needed; e.g. {hint}")
+        frames = (
+            args.frames if args.frames is not None else (spec.default_size[2] if spec.family.video else 1)
+        )
+        work = workload_from_pixels(spec, args.height, args.width, frames, args.batch, args.text_len)
+    hw = hardware(args.gpu, args.gpu_memory, args.tflops, args.bandwidth, args.efficiency)
+    return PlanRequest(
+        spec,
+        work,
+        args.gpus,
+        hw,
+        dtype=args.dtype,
+        lora_rank=args.lora_rank,
+        ulysses=args.ulysses,
+        ring=args.ring,
+        checkpointing=args.activation_checkpointing,
+        reserve_gib=args.reserve,
+        target=args.target,
+        workers=args.workers,
+    )
+
+
+def selection(p: LayoutPlan, req: PlanRequest) -> dict[str, Any]:
+    """The engine arguments and config keys that select layout ``p``."""
+    engine = {
+        "ulysses_sequence_parallel_size": p.ulysses,
+        "ring_degree": p.ring,
+        "activation_checkpointing": p.activation_checkpointing,
+        "mixed_precision": "bf16" if req.dtype == "bf16" else None,
+    }
+    keys = {
+        "parallel.ulysses_sequence_parallel_size": p.ulysses,
+        "parallel.ring_degree": p.ring,
+        "parallel.activation_checkpointing": p.activation_checkpointing,
+        "parallel.mixed_precision": "bf16" if req.dtype == "bf16" else "",
+    }
+    if req.lora_rank:
+        engine["lora"] = f"LoraSettings(rank={req.lora_rank})"
+        keys.update({"lora.enabled": True, "lora.rank": req.lora_rank})
+    verl = {
+        "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": p.ulysses,
+        "actor_rollout_ref.model.ring_degree": p.ring,
+    }
+    return {"engine_arguments": engine, "config_keys": keys, "verl_keys": verl}
+
+
+def plan_to_json(plan: Plan, seconds: float) -> dict[str, Any]:
+    req = plan.request
+    hw = req.hardware
+    best = plan.recommended
+    return {
+        "model": {
+            "name": req.spec.name,
+            "class": req.spec.class_name,
+            "source": req.spec.source,
+            "experts": req.spec.experts,
+        },
+        "workload": {
+            "tokens": req.work.tokens,
+            "grid": list(req.work.grid),
+            "text_tokens": req.work.text_len,
+            "batch": req.work.batch,
+            "pixels": list(req.work.pixels) if req.work.pixels else None,
+            "description": req.work.describe(req.spec),
+        },
+        "training": {"lora_rank": req.lora_rank, "dtype": req.dtype, "target": req.target},
+        "gpus": req.gpus,
+        "hardware": {
+            "name": hw.name,
+            "memory_gib": hw.memory_gib,
+            "reserve_gib": req.reserve,
+            "tflops": hw.tflops(req.dtype),
+            "efficiency": hw.efficiency,
+            "bandwidth_gb_s": hw.bandwidth,
+            "inter_node_bandwidth_gb_s": hw.inter_node_bandwidth,
+        },
+        "layouts": [p.to_json() for p in plan.layouts],
+        "recommended": None if best is None else {**best.to_json(), **selection(best, req)},
+        "notes": plan.notes,
+        "planner_seconds": round(seconds, 1),
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:7.1f}"
+
+
+def print_table(plan: Plan, seconds: float, file: Any = None) -> None:
+    req, hw = plan.request, plan.request.hardware
+    out = file or sys.stdout
+    training = f"LoRA rank {req.lora_rank}" if req.lora_rank else "full fine-tuning"
+    print(
+        f"sp-diffusers plan: {req.spec.name} ({req.spec.class_name}; {req.spec.source}), {training}, {req.dtype}",
+        file=out,
+    )
+    print(f"  micro-batch: {req.work.describe(req.spec)}", file=out)
+    usable = hw.memory_gib - req.reserve
+    print(
+        f"  GPUs: {req.gpus} x {hw.name}: {hw.memory_gib:g} GiB, {usable:.1f} usable ({req.reserve:.1f} GiB reserve)",
+        file=out,
+    )
+    print(file=out)
+    head = " ulysses ring  dp ckpt |  peak GiB  params   grads   optim   activ buffers | rollout |  fits | step s samples/s"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for p in sorted(plan.layouts, key=lambda p: (not p.fits, -p.samples_per_second)):
+        parts = "".join(
+            _gib(p.parts[k]) + " " for k in ("parameters", "gradients", "optimizer", "activations")
+        )
+        print(
+            f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
+            f"   {_gib(p.peak_bytes)} {parts}{_gib(p.parts['buffers'])} | {_gib(p.rollout_peak_bytes)} |"
+            f" {'  yes' if p.fits else '   no'} | {p.step['total']:6.2f} {p.samples_per_second:9.3f}",
+            file=out,
+        )
+    print(file=out)
+    best = plan.recommended
+    if best is None:
+        print(
+            "recommended: none fits; fix: more GPUs, LoRA (--lora-rank), a smaller micro-batch, or a larger GPU",
+            file=out,
+        )
+    else:
+        sel = selection(best, req)
+        ckpt = "on" if best.activation_checkpointing else "off"
+        print(
+            f"recommended: ulysses={best.ulysses} ring={best.ring} dp={best.dp} activation checkpointing {ckpt}: "
+            f"peak {best.peak_bytes / GIB:.1f} GiB ({best.where}), step {best.step['total']:.2f} s, "
+            f"{best.samples_per_second:.3f} samples/s",
+            file=out,
+        )
+        engine = ", ".join(
+            f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in sel["engine_arguments"].items()
+        )
+        print(f"  FSDPEngine(model, {engine})", file=out)
+        print(
+            "  sp-diffusers train: "
+            + " ".join(f"--set {k}={_yaml(v)}" for k, v in sel["config_keys"].items()),
+            file=out,
+        )
+        print("  verl: " + " ".join(f"{k}={v}" for k, v in sel["verl_keys"].items()), file=out)
+    print("\nthese are predictions, with these assumptions:", file=out)
+    for note in plan.notes:
+        print(f"  - {note}", file=out)
+    print(f"({len(plan.layouts)} layouts traced in {seconds:.0f} s)", file=out)
+
+
+def _yaml(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    req = request_from_args(args)
+    t0 = time.perf_counter()
+    plan = make_plan(req, progress=sys.stderr.isatty())
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps(plan_to_json(plan, seconds), indent=2))
+    else:
+        print_table(plan, seconds)
+    return 0

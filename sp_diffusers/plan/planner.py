@@ -1,0 +1,381 @@
+"""Which layout fits: every (ulysses, ring, dp) that divides the GPUs (Ulysses also dividing the heads), with
+activation checkpointing on and off, each traced through the engine on fake tensors (``plan/trace.py``, the block
+shortcut of ``plan/extrapolate.py``), with per-GPU memory by part, whether it fits, the estimated step time
+(``plan/hardware.py``) and the recommended layout: the highest throughput that fits.
+
+The quantity predicted (docs/planning.md): the per-GPU peak of one ``FSDPEngine.train_step`` on one micro-batch of
+that size at that layout (forward with grad, backward, AdamW step, the optimizer state of a running job), and of
+the rollout's forward without grad on the same GPUs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .extrapolate import combine, shortcut_counts
+from .hardware import Hardware, step_seconds
+from .models import ModelSpec, PlanError
+from .shapes import Workload
+from .trace import Measure, TraceRequest, block_lists, run_trace
+from .tracker import PARTS
+
+__all__ = ["LayoutPlan", "Plan", "PlanRequest", "make_plan"]
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    spec: ModelSpec
+    work: Workload
+    gpus: int
+    hardware: Hardware
+    dtype: str = "bf16"
+    lora_rank: int | None = None
+    ulysses: int | None = None  # fixed degree; None: enumerate
+    ring: int | None = None
+    checkpointing: str = "auto"  # "on" | "off" | "auto" (both)
+    reserve_gib: float | None = None  # None: 2 GiB + 5% of the GPU's memory
+    target: str = "cuda"  # "cpu": predict a CPU process (the accuracy benchmark)
+    workers: int | None = None  # trace processes; None: one per CPU core (at most 4); 1: in this process
+    shortcut: bool = True  # the block shortcut; False traces the whole model (slow; tests)
+
+    @property
+    def reserve(self) -> float:
+        if self.reserve_gib is not None:
+            return self.reserve_gib
+        return 2.0 + 0.05 * self.hardware.memory_gib
+
+
+@dataclass
+class LayoutPlan:
+    ulysses: int
+    ring: int
+    dp: int
+    activation_checkpointing: bool
+    peak_bytes: int = 0
+    parts: dict[str, int] = field(default_factory=dict)
+    where: str = ""  # the place of the peak
+    rollout_peak_bytes: int = 0
+    flops: int = 0
+    comm_bytes: dict[str, float] = field(default_factory=dict)
+    step: dict[str, float] = field(default_factory=dict)
+    samples_per_second: float = 0.0
+    fits: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ulysses": self.ulysses,
+            "ring": self.ring,
+            "dp": self.dp,
+            "activation_checkpointing": self.activation_checkpointing,
+            "peak_bytes": self.peak_bytes,
+            "parts": dict(self.parts),
+            "peak_at": self.where,
+            "rollout_peak_bytes": self.rollout_peak_bytes,
+            "fits": self.fits,
+            "step_seconds": self.step.get("total", 0.0),
+            "step_terms_seconds": {k: v for k, v in self.step.items() if k != "total"},
+            "samples_per_second": self.samples_per_second,
+            "flops_per_gpu": self.flops,
+            "comm_bytes_per_gpu": dict(self.comm_bytes),
+        }
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    layouts: list[LayoutPlan]
+    recommended: LayoutPlan | None
+    notes: list[str]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _heads(spec: ModelSpec) -> int:
+    return int(spec.config.get("num_attention_heads", 1))
+
+
+def layouts(req: PlanRequest) -> list[tuple[int, int]]:
+    """Every (ulysses, ring) to plan; bad fixed degrees are refused with the valid ones."""
+    gpus, heads = req.gpus, _heads(req.spec)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise PlanError(f"--gpus {gpus!r} is invalid: it must be a positive integer")
+    ok_u = [u for u in _divisors(gpus) if heads % u == 0]
+    for name, value in (("--ulysses", req.ulysses), ("--ring", req.ring)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanError(f"{name} {value!r} is invalid: it must be a positive integer")
+    if req.ulysses is not None and req.ulysses not in ok_u:
+        why = []
+        if gpus % req.ulysses:
+            why.append(f"does not divide --gpus {gpus}")
+        if heads % req.ulysses:
+            why.append(f"does not divide the {heads} attention heads of {req.spec.name}")
+        raise PlanError(f"--ulysses {req.ulysses} {' and '.join(why)}; fix: one of {ok_u}")
+    us = [req.ulysses] if req.ulysses is not None else ok_u
+    pairs = []
+    for u in us:
+        rings = _divisors(gpus // u)
+        if req.ring is not None:
+            if req.ring not in rings:
+                raise PlanError(
+                    f"--ring {req.ring} with --ulysses {u}: ulysses x ring = {u * req.ring} does not divide "
+                    f"--gpus {gpus}; fix: a ring degree among {rings}"
+                )
+            rings = [req.ring]
+        pairs += [(u, r) for r in rings]
+    return pairs
+
+
+def _checkpointing(req: PlanRequest) -> list[bool]:
+    choices = {"on": [True], "off": [False], "auto": [False, True]}
+    if req.checkpointing not in choices:
+        raise PlanError(f"--activation-checkpointing {req.checkpointing!r}: choose on, off or auto")
+    return choices[req.checkpointing]
+
+
+def _check(req: PlanRequest) -> None:
+    if req.dtype not in ("bf16", "fp32"):
+        raise PlanError(f"--dtype {req.dtype!r}: choose bf16 or fp32")
+    if req.lora_rank is not None and (
+        isinstance(req.lora_rank, bool) or not isinstance(req.lora_rank, int) or req.lora_rank < 1
+    ):
+        raise PlanError(
+            f"--lora-rank {req.lora_rank!r} is invalid: a positive integer (leave it out for full fine-tuning)"
+        )
+    if req.reserve_gib is not None and not 0 <= req.reserve_gib < req.hardware.memory_gib:
+        raise PlanError(
+            f"--reserve {req.reserve_gib} GiB must be >= 0 and below --gpu-memory {req.hardware.memory_gib}"
+        )
+
+
+def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
+    counts = shortcut_counts(lists) if req.shortcut else [lists]
+    tasks = []
+    for u, r in layouts(req):
+        for i, ckpt in enumerate(_checkpointing(req)):
+            for c in counts:
+                tasks.append(
+                    TraceRequest(
+                        req.spec,
+                        req.work,
+                        req.gpus,
+                        u,
+                        r,
+                        ckpt,
+                        req.lora_rank,
+                        req.dtype,
+                        req.target,
+                        tuple(c.items()),
+                        rollout=i == 0,
+                    )
+                )
+    return tasks
+
+
+def _run_all(tasks: list[TraceRequest], workers: int, progress: bool) -> list[tuple[Measure, Measure | None]]:
+    bar = _bar(len(tasks), progress)
+    try:
+        if workers <= 1:
+            out = []
+            for t in tasks:
+                out.append(run_trace(t))
+                bar.update(1)
+            return out
+        context = multiprocessing.get_context("spawn")
+        with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
+            jobs = [pool.submit(run_trace, t) for t in tasks]
+            for _ in futures.as_completed(jobs):
+                bar.update(1)
+            return [j.result() for j in jobs]
+    finally:
+        bar.close()
+
+
+def _quiet_worker() -> None:
+    import logging
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)  # fake ops do no arithmetic
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, progress: bool) -> Any:
+    if not progress:
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the [train] extra
+        return _NoBar()
+    return tqdm(total=total, desc="fake runs", unit="run", leave=False)
+
+
+def _allowance(req: PlanRequest) -> tuple[int, int]:
+    """On a GPU, FSDP2 gathers the next block while one computes, and reduce-scatters the last block's gradients
+    while the next computes: one more block's gathered parameters (forward and backward) and gradients (backward)
+    than a CPU run shows. (bytes in forward, bytes in backward)"""
+    if req.target != "cuda" or req.gpus == 1:
+        return 0, 0
+    import torch
+
+    from .trace import _build
+
+    with torch.device("meta"):
+        model = _build(req.spec, {name: 1 for name in block_lists(req.spec)})
+    lists = [b for name in block_lists(req.spec) for b in getattr(model, name)[:1]]
+    params = max(sum(p.numel() for p in b.parameters()) for b in lists)
+    gathered = params * (2 if req.dtype == "bf16" else 4)
+    if req.lora_rank is None:
+        grads = params * 4
+    else:
+        grads = (
+            max(
+                sum(
+                    req.lora_rank * (m.in_features + m.out_features)
+                    for n, m in b.named_modules()
+                    if _lora_target(n, m)
+                )
+                for b in lists
+            )
+            * 4
+        )
+    return gathered, gathered + grads
+
+
+def _lora_target(name: str, module: Any) -> bool:
+    from ..engine.settings import LoraSettings
+
+    return hasattr(module, "in_features") and any(name.endswith(t) for t in LoraSettings().target_modules)
+
+
+_PHASES = {
+    "start": "step start",
+    "fw": "forward",
+    "bw": "backward",
+    "post": "gradient clipping",
+    "opt": "optimizer step",
+}
+
+
+def _where(place: tuple) -> str:
+    phase = _PHASES.get(place[0], place[0])
+    if len(place) == 3:
+        return f"{phase}, {place[2]} block of {place[1]}"
+    return phase if place[0] == "start" else f"{phase}, outside the blocks"
+
+
+def _adjusted(
+    m: Measure, fw_extra: int, bw_extra: int, resident: dict[str, int]
+) -> dict[tuple, dict[str, int]]:
+    """Places with the GPU overlap allowance (buffers) and other experts' resident state."""
+    out = {}
+    for place, parts in m.places.items():
+        p = dict(parts)
+        extra = fw_extra if place[0] == "fw" else bw_extra if place[0] == "bw" else 0
+        p["buffers"] += extra
+        for part, value in resident.items():
+            p[part] += value
+        p["total"] += extra + sum(resident.values())
+        out[place] = p
+    return out
+
+
+def _peak(places: dict[tuple, dict[str, int]]) -> tuple[tuple, dict[str, int]]:
+    return max(places.items(), key=lambda kv: kv[1]["total"])
+
+
+def _layout_plan(
+    req: PlanRequest, u: int, r: int, ckpt: bool, train: Measure, rollout: Measure, extras: tuple[int, int]
+) -> LayoutPlan:
+    start = train.places.get(("start",), dict.fromkeys(PARTS, 0))
+    resident = {k: (req.spec.experts - 1) * start[k] for k in ("parameters", "optimizer")}
+    place, parts = _peak(_adjusted(train, *extras, resident))
+    _, rollout_parts = _peak(_adjusted(rollout, extras[0], extras[0], resident))
+    comm = {"sp": 0.0, "fsdp": 0.0, "other": 0.0}
+    for (kind, _), nbytes in train.comm.items():
+        comm[kind] += nbytes
+    step = step_seconds(req.hardware, req.dtype, train.flops, train.comm)
+    dp = req.gpus // (u * r)
+    limit = (req.hardware.memory_gib - req.reserve) * GIB
+    return LayoutPlan(
+        u,
+        r,
+        dp,
+        ckpt,
+        peak_bytes=parts["total"],
+        parts={k: parts[k] for k in PARTS},
+        where=_where(place),
+        rollout_peak_bytes=rollout_parts["total"],
+        flops=train.flops,
+        comm_bytes=comm,
+        step=step,
+        samples_per_second=dp * req.work.batch / step["total"] if step["total"] > 0 else 0.0,
+        fits=parts["total"] <= limit and rollout_parts["total"] <= limit,
+    )
+
+
+def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
+    """Trace every layout of ``req`` and rank them (see the module doc)."""
+    _check(req)
+    pairs, ckpts = layouts(req), _checkpointing(req)
+    lists = block_lists(req.spec)
+    tasks = _tasks(req, lists)
+    workers = req.workers if req.workers is not None else min(4, os.cpu_count() or 1)
+    results = _run_all(tasks, min(workers, len(tasks)), progress)
+    per = len(tasks) // (len(pairs) * len(ckpts))
+    extras = _allowance(req)
+    plans, rollouts = [], {}
+    for i, (u, r, ckpt) in enumerate((u, r, c) for u, r in pairs for c in ckpts):
+        chunk = results[i * per : (i + 1) * per]
+        train = combine(lists, [m[0] for m in chunk]) if req.shortcut else chunk[0][0]
+        if chunk[0][1] is not None:
+            rollouts[(u, r)] = combine(lists, [m[1] for m in chunk]) if req.shortcut else chunk[0][1]
+        plans.append(_layout_plan(req, u, r, ckpt, train, rollouts[(u, r)], extras))
+    fitting = [p for p in plans if p.fits]
+    best = max(fitting, key=lambda p: (p.samples_per_second, -p.peak_bytes)) if fitting else None
+    return Plan(req, plans, best, _notes(req))
+
+
+def _notes(req: PlanRequest) -> list[str]:
+    hw = req.hardware
+    notes = [
+        f"memory: per-GPU peak of one FSDPEngine.train_step (forward, backward, AdamW step with its state held) "
+        f"and of a rollout forward without grad; fits = both <= {hw.memory_gib:g} GiB - {req.reserve:.1f} GiB "
+        "reserve (CUDA context, NCCL, cuBLAS workspace, allocator fragmentation)",
+        "parameters are FSDP2-sharded over every GPU in fp32"
+        + (" with bf16 compute (mixed precision), gradients reduced in fp32" if req.dtype == "bf16" else "")
+        + (
+            f"; LoRA rank {req.lora_rank} on to_q, to_k, to_v, to_out.0, base frozen" if req.lora_rank else ""
+        ),
+        f"time: FLOPs / ({hw.tflops(req.dtype):g} TFLOP/s x {hw.efficiency:g}) + SP collectives at "
+        f"{hw.bandwidth:g} GB/s + FSDP collectives beyond the compute they overlap; throughput = dp x batch / step",
+    ]
+    if req.target == "cuda" and req.gpus > 1:
+        notes.append(
+            "buffers include one more block's gathered parameters (and gradients in backward) than a CPU "
+            "run shows: FSDP2 overlaps the next block's all-gather with compute on a GPU"
+        )
+    if req.spec.experts > 1:
+        notes.append(
+            f"{req.spec.experts} experts: one trains per step, the others' sharded parameters and "
+            "optimizer state stay resident"
+        )
+    notes += list(req.spec.notes[1:] if req.spec.experts > 1 else req.spec.notes)
+    return notes
