@@ -1,7 +1,8 @@
 """The ``sp-diffusers`` command (also ``python -m sp_diffusers.cli``).
 
 Commands: ``train`` (FlowGRPO under FSDP2 + Ulysses SP from a YAML config), ``demo`` (a tiny model's forward
-and backward under SP against one process), ``report`` (what ``install()`` does with this diffusers). ``train``
+and backward under SP against one process), ``plan`` (which layout fits, predicted on fake tensors, no GPU),
+``report`` (what ``install()`` does with this diffusers). ``train``
 and ``demo`` run under a launcher: ``torchrun --nproc_per_node 2 -m sp_diffusers.cli train ...`` or, with the
 console script, ``torchrun --nproc_per_node 2 --no-python sp-diffusers train ...``.
 
@@ -115,6 +116,12 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .plan.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__, demo
 
@@ -169,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(p_demo)
     p_demo.set_defaults(func=_demo)
+    from .plan.command import add_arguments as plan_arguments
+
+    p_plan = sub.add_parser(
+        "plan",
+        help="which (ulysses, ring, dp, checkpointing) layout fits: per-GPU memory and step time (no GPU needed)",
+        description="Predicts per-GPU memory and step time of every layout from fake-tensor runs of the real "
+        "model through the engine; docs/planning.md.",
+    )
+    plan_arguments(p_plan)
+    p_plan.set_defaults(func=_plan)
     p_report = sub.add_parser("report", help="print what install() applies for the installed diffusers")
     p_report.set_defaults(func=_report)
     return parser
