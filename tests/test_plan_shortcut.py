@@ -1,0 +1,64 @@
+"""The block shortcut (runs with 2 and 3 blocks per list, extrapolated) against a full trace of the whole model:
+every place's peak by part, the FLOPs and the bytes sent must be the same, to the byte. Small models of real
+classes (fake tensors; nothing is allocated): a one-list Wan with checkpointing and LoRA, and a two-list Flux
+with full fine-tuning, both at Ulysses 2 on 4 ranks with uneven shards."""
+
+from __future__ import annotations
+
+import pytest
+
+from sp_diffusers.plan.extrapolate import combine, shortcut_counts
+from sp_diffusers.plan.models import FAMILIES, ModelSpec
+from sp_diffusers.plan.shapes import Workload
+from sp_diffusers.plan.trace import TraceRequest, block_lists, run_trace
+
+WAN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=32,
+    in_channels=4,
+    out_channels=4,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=128,
+    num_layers=5,
+)
+FLUX = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=4,
+    num_single_layers=3,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=16,
+    axes_dims_rope=(4, 6, 6),
+)
+
+
+@pytest.mark.parametrize(
+    "kind, config, checkpointing, lora",
+    [("wan", WAN, True, 4), ("flux", FLUX, False, None)],
+    ids=["wan-checkpointing-lora", "flux-two-lists-full"],
+)
+def test_the_block_shortcut_equals_a_full_trace(kind, config, checkpointing, lora):
+    spec = ModelSpec(f"small-{kind}", kind, config, FAMILIES[kind])
+    lists = block_lists(spec)
+    work = Workload(batch=1, grid=(1, 15, 17), text_len=15)  # 255 tokens: uneven shards over 2 ranks
+
+    def trace(counts: dict[str, int]):
+        req = TraceRequest(spec, work, 4, ulysses=2, checkpointing=checkpointing, lora_rank=lora)
+        return run_trace(TraceRequest(**{**req.__dict__, "blocks": tuple(counts.items())}))
+
+    full_train, full_rollout = trace(lists)
+    runs = [trace(c) for c in shortcut_counts(lists)]
+    assert len(runs) == 1 + len(lists)  # 2 per list, then 3 in each list in turn
+    for full, got in (
+        (full_train, combine(lists, [r[0] for r in runs])),
+        (full_rollout, combine(lists, [r[1] for r in runs])),
+    ):
+        assert got.places == full.places
+        assert got.flops == full.flops
+        assert got.comm == pytest.approx(full.comm, rel=1e-12)
+    # the places include blocks between the first and the last: the shortcut's hardest case
+    assert any(place[-1] == "middle" for place in full_train.places)
