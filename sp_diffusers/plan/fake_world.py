@@ -6,7 +6,9 @@ So the run simulates one rank of a rank-symmetric job:
 
 - small integer gathers (``sp_diffusers.comm.gather_ints``: the attention handshake, the uneven-shard gather,
   the engine's step agreement) return this rank's row for every rank, which is what every rank holds when the
-  ranks run the same layout on the same micro-batch;
+  ranks run the same layout on the same micro-batch; except the local lengths of a sequence the plan sharded
+  unevenly (``torch.tensor_split``'s rule): a row made only of such lengths gets every rank's own length, so a
+  model that reshapes its gathered output (Wan's unpatchify) gets exactly its sequence back;
 - a value read to the host (``.item()``, ``float(t)``, ``.tolist()``) of a fake tensor without a known value
   is a stand-in ``1`` of its dtype (``True``, ``1``, ``1.0``): the engine's metrics and its finite-norm check
   read such values after the work is done, and AdamW's bias correction reads its step counter;
@@ -157,13 +159,23 @@ def mesh_outside_fake_mode() -> Iterator[None]:
         device_mesh.init_device_mesh = init
 
 
+_SPLITS: dict[tuple[int, int], list[int]] = {}  # (ranks, rank 0's length) -> every rank's length
+
+
 def _symmetric_gather_ints(values: Any, group: Any, device: Any) -> list[list[int]]:
-    return [list(values) for _ in range(dist.get_world_size(group))]
+    world = dist.get_world_size(group)
+    columns = [_SPLITS.get((world, int(v))) for v in values]
+    if values and all(c is not None for c in columns):  # local lengths of sharded sequences
+        return [[c[r] for c in columns] for r in range(world)]  # type: ignore[index]
+    return [list(values) for _ in range(world)]
 
 
 @contextlib.contextmanager
 def symmetric_small_gathers() -> Iterator[None]:
-    """Every module that bound ``sp_diffusers.comm.gather_ints`` sees every rank holding this rank's row."""
+    """Every module that bound ``sp_diffusers.comm.gather_ints`` sees every rank holding this rank's row, or
+    every rank's own length of a sequence the plan sharded (recorded as the sharder splits it)."""
+    from diffusers.hooks import context_parallel
+
     from .. import comm
 
     original = comm.gather_ints
@@ -174,10 +186,23 @@ def symmetric_small_gathers() -> Iterator[None]:
         and (name.startswith("sp_diffusers") or name.startswith("patches"))
         and getattr(m, "gather_ints", None) is original
     ]
+    sharder = context_parallel.EquipartitionSharder
+    saved = sharder.__dict__["shard"]
+    shard = saved.__func__
+
+    def recording_shard(cls: Any, tensor: Any, dim: int, mesh: Any) -> Any:
+        sizes = comm.split_sizes(tensor.size(dim), mesh.size())
+        _SPLITS.setdefault((mesh.size(), sizes[0]), sizes)
+        return shard(cls, tensor, dim, mesh)
+
+    _SPLITS.clear()
     try:
         for module in bound:
             module.gather_ints = _symmetric_gather_ints
+        sharder.shard = classmethod(recording_shard)
         yield
     finally:
         for module in bound:
             module.gather_ints = original
+        sharder.shard = saved
+        _SPLITS.clear()

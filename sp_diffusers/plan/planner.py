@@ -60,6 +60,7 @@ class LayoutPlan:
     peak_bytes: int = 0
     parts: dict[str, int] = field(default_factory=dict)
     where: str = ""  # the place of the peak
+    start_bytes: int = 0  # held when the step starts (parameters, optimizer state, micro-batch)
     rollout_peak_bytes: int = 0
     flops: int = 0
     comm_bytes: dict[str, float] = field(default_factory=dict)
@@ -76,6 +77,7 @@ class LayoutPlan:
             "peak_bytes": self.peak_bytes,
             "parts": dict(self.parts),
             "peak_at": self.where,
+            "start_bytes": self.start_bytes,
             "rollout_peak_bytes": self.rollout_peak_bytes,
             "fits": self.fits,
             "step_seconds": self.step.get("total", 0.0),
@@ -306,7 +308,8 @@ def _layout_plan(
 ) -> LayoutPlan:
     start = train.places.get(("start",), dict.fromkeys(PARTS, 0))
     resident = {k: (req.spec.experts - 1) * start[k] for k in ("parameters", "optimizer")}
-    place, parts = _peak(_adjusted(train, *extras, resident))
+    adjusted = _adjusted(train, *extras, resident)
+    place, parts = _peak(adjusted)
     _, rollout_parts = _peak(_adjusted(rollout, extras[0], extras[0], resident))
     comm = {"sp": 0.0, "fsdp": 0.0, "other": 0.0}
     for (kind, _), nbytes in train.comm.items():
@@ -322,6 +325,7 @@ def _layout_plan(
         peak_bytes=parts["total"],
         parts={k: parts[k] for k in PARTS},
         where=_where(place),
+        start_bytes=adjusted[("start",)]["total"] if ("start",) in adjusted else 0,
         rollout_peak_bytes=rollout_parts["total"],
         flops=train.flops,
         comm_bytes=comm,

@@ -296,7 +296,23 @@ class _FSDPPlaces(_PlaceRecorder, FSDPMemTracker):
 
 
 class _Places(_PlaceRecorder, MemTracker):
-    pass
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> Any:
+        # torch's tracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses a hook:
+        # track all of them, hook the trainable ones only
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._grad_seen),
+                        param.register_post_accumulate_grad_hook(lambda p: self._grad_seen(p.grad)),
+                    )
+        return sizes
+
+    def _grad_seen(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, self._ref_class.GRAD)  # type: ignore[attr-defined]
 
 
 def make_tracker(
