@@ -1,4 +1,6 @@
-"""WORKAROUND (temporary, the planner's only one): the engine of this branch moves the materialised model to its
+"""WORKAROUNDS (temporary; the planner has no others), for this branch's engine and attention.
+
+1. ``fake_safe_module_to``: the engine of this branch moves the materialised model to its
 device before sharding (``model.to(self.device)`` in ``FSDPEngine.__init__``; peft's ``add_adapter`` moves each
 new adapter the same way, and an unsharded bf16 engine casts with ``model.to(torch.bfloat16)``). The planner's
 model is materialised as fake tensors, and torch's ``Module.to`` cannot convert a module holding fake
@@ -10,6 +12,8 @@ parameter and buffer that changes (a move to the device they are on changes noth
 its one use in ``plan/trace.py``, once the engine shards before weights reach the device and accepts a model on
 ``meta``: the planner then hands it the ``meta`` model, and every ``to`` before materialisation acts on meta
 tensors, which torch converts normally.
+
+2. ``fake_attention_agreement``: the per-call length agreement of ``ulysses_sdpa`` (see its docstring).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["fake_safe_module_to"]
+__all__ = ["fake_attention_agreement", "fake_safe_module_to"]
 
 
 def _replace(module: torch.nn.Module, device: Any, dtype: Any) -> None:
@@ -58,3 +62,40 @@ def fake_safe_module_to() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _fit(sizes: list[int], length: int) -> list[int]:
+    """Every rank's length when the ranks' lengths sum to ``length``: a rank-symmetric guess (every rank holds
+    this rank's length) less one on the last ranks, as ``torch.tensor_split`` leaves them."""
+    excess = sum(sizes) - length
+    if 0 < excess < len(sizes):
+        return [n - (i >= len(sizes) - excess) for i, n in enumerate(sizes)]
+    return sizes
+
+
+@contextlib.contextmanager
+def fake_attention_agreement() -> Iterator[None]:
+    """WORKAROUND 2 (temporary): each ``ulysses_sdpa`` call of this branch gathers every rank's lengths
+    (``handshake.agree``). On the fake process group every rank is taken to hold this rank's lengths, which is
+    right for even shards but one token long per trailing rank for uneven ones; a joint text+video mask then has
+    the true global length and the call is refused ("fits neither local nor global lengths"). Here the lengths
+    are fitted to the mask's global length. Delete this (and its use in ``plan/trace.py``) once the agreement
+    is settled per forward where the plan splits the inputs (the hot-path change): the plan knows every
+    rank's length there without gathering."""
+    from .. import attention
+    from ..handshake import CallLayout
+
+    original = attention.agree
+
+    def agree(query: Any, key: Any, attn_mask: Any, *args: Any) -> CallLayout:
+        layout = original(query, key, attn_mask, *args)
+        if attn_mask is None or attn_mask.dim() < 2:
+            return layout
+        q = _fit(layout.q_sizes, attn_mask.shape[-2]) if attn_mask.dim() == 4 else layout.q_sizes
+        return CallLayout(q, _fit(layout.kv_sizes, attn_mask.shape[-1]), layout.mask_shapes)
+
+    attention.agree = agree
+    try:
+        yield
+    finally:
+        attention.agree = original

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ._premerge import fake_attention_agreement
 from .fake_world import PlanFakeMode, fake_process_group, mesh_outside_fake_mode, symmetric_small_gathers
 from .models import ModelSpec
 from .shapes import Workload, build_inputs
@@ -159,6 +160,7 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
             PlanFakeMode(),
             mesh_outside_fake_mode(),
             symmetric_small_gathers(),
+            fake_attention_agreement(),
             dtensor_shape_inference_untracked(),
             _target_habits(req.target),
         ):
