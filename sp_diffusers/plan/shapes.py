@@ -35,8 +35,9 @@ class Workload:
         how = (
             f"VAE {f.vae_spatial}x spatial"
             + (f", {f.vae_temporal}x temporal" if f.video else "")
-            + f", patch {f.patch}x{f.patch}"
-            + (f"x{f.patch_t}" if f.video else "")
+            + ", patch "
+            + (f"{f.patch_t}x" if f.video else "")
+            + f"{f.patch}x{f.patch}"
         )
         source = ""
         if self.pixels is not None:
