@@ -101,20 +101,22 @@ def _integer_indices(indices: Any) -> list[Any]:
     return out
 
 
-def fake_process_group(world: int) -> None:
-    """Make the default process group a fake one of ``world`` ranks (this process is rank 0)."""
+@contextlib.contextmanager
+def fake_process_group(world: int) -> Iterator[None]:
+    """The default process group is a fake one of ``world`` ranks (this process is rank 0) inside this block;
+    the process is left as it was (no process group) after it."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        if dist.get_backend() == "fake" and dist.get_world_size() == world:
-            return
-        if dist.get_backend() != "fake":
-            raise RuntimeError(
-                "the planner needs its own fake process group, but this process already joined a real one; "
-                "fix: run `sp-diffusers plan` (or sp_diffusers.plan) outside torchrun / init_process_group"
-            )
-        dist.destroy_process_group()
+        raise RuntimeError(
+            "the planner needs its own fake process group, but this process already joined one; "
+            "fix: run `sp-diffusers plan` (or sp_diffusers.plan) outside torchrun / init_process_group"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _outside_fake(fn):

@@ -237,10 +237,10 @@ def _allowance(req: PlanRequest) -> tuple[int, int]:
         return 0, 0
     import torch
 
-    from .trace import _build
+    from .trace import build_model
 
     with torch.device("meta"):
-        model = _build(req.spec, {name: 1 for name in block_lists(req.spec)})
+        model = build_model(req.spec, {name: 1 for name in block_lists(req.spec)})
     lists = [b for name in block_lists(req.spec) for b in getattr(model, name)[:1]]
     params = max(sum(p.numel() for p in b.parameters()) for b in lists)
     gathered = params * (2 if req.dtype == "bf16" else 4)

@@ -22,7 +22,16 @@ from .models import ModelSpec
 from .shapes import Workload, build_inputs
 from .tracker import Place, dtensor_shape_inference_untracked, make_tracker
 
-__all__ = ["BLOCK_COUNT_KEYS", "Measure", "TraceRequest", "block_lists", "run_trace"]
+__all__ = [
+    "BLOCK_COUNT_KEYS",
+    "Measure",
+    "TraceRequest",
+    "block_lists",
+    "build_model",
+    "create_optimizer_state",
+    "plan_loss",
+    "run_trace",
+]
 
 # the config key that sets each block list's length (the ModuleLists FSDPEngine shards block by block)
 BLOCK_COUNT_KEYS = {
@@ -59,7 +68,7 @@ class Measure:
 def block_lists(spec: ModelSpec) -> dict[str, int]:
     """The block lists of ``spec``'s class and their lengths in ``spec.config`` (built on meta, no memory)."""
     with torch.device("meta"):
-        model = _build(spec, {})
+        model = build_model(spec, {})
     return {
         name: len(child)
         for name, child in model.named_children()
@@ -67,7 +76,7 @@ def block_lists(spec: ModelSpec) -> dict[str, int]:
     }
 
 
-def _build(spec: ModelSpec, counts: dict[str, int]) -> torch.nn.Module:
+def build_model(spec: ModelSpec, counts: dict[str, int]) -> torch.nn.Module:
     """``spec``'s class with ``counts`` blocks, on the current device / in the current fake mode."""
     from ..model_kinds import model_class
 
@@ -128,7 +137,7 @@ def _engine(req: TraceRequest, model: torch.nn.Module):
     return engine
 
 
-def _loss(engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
+def plan_loss(engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
     try:
         out = engine.forward(**batch["inputs"])
     except Exception as err:
@@ -148,7 +157,6 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     from .. import comm
 
     sp_diffusers.install()
-    fake_process_group(req.world)
     counts = dict(req.blocks)
     quiet = logging.getLogger("diffusers")
     level = quiet.level
@@ -157,6 +165,7 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     try:
         with (
             warnings.catch_warnings(),
+            fake_process_group(req.world),
             PlanFakeMode(),
             mesh_outside_fake_mode(),
             symmetric_small_gathers(),
@@ -167,7 +176,7 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
             warnings.simplefilter("ignore")
             # built in fake mode, not on meta: tensors a model keeps outside its parameters and buffers (RoPE
             # tables) must be on the device too
-            model = _build(req.spec, counts)
+            model = build_model(req.spec, counts)
             lists = {
                 name: len(child)
                 for name, child in model.named_children()
@@ -176,9 +185,9 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
             engine = _engine(req, model)
             inputs = build_inputs(req.spec, engine.model, req.work)
             batch = {"inputs": inputs}
-            _create_optimizer_state(engine)
+            create_optimizer_state(engine)
             try:
-                train = _traced(engine, lists, inputs, lambda: engine.train_step(batch, _loss))
+                train = _traced(engine, lists, inputs, lambda: engine.train_step(batch, plan_loss))
             except Exception:
                 if "error" in batch:
                     raise batch["error"] from None
@@ -208,7 +217,7 @@ def _traced(engine: Any, lists: dict[str, int], inputs: dict[str, Any], step: An
     return Measure(tracker.places(), tracker.flops, dict(tracker.comm))
 
 
-def _create_optimizer_state(engine: Any) -> None:
+def create_optimizer_state(engine: Any) -> None:
     """One optimizer step on zero gradients, untraced: AdamW creates its moments lazily, and torch's tracker
     would count DTensor's first-call sharding propagation (global-size fake tensors) as memory."""
     for p in engine.trainable:
