@@ -102,14 +102,16 @@ def _target_habits(target: str):
     after the run, so no fake tensor outlives it."""
     from .. import comm
 
-    original = comm._send_buffer
-    if target == "cuda":
+    original = getattr(comm, "_send_buffer", None)  # None: a comm without the CPU cache, nothing to switch
+    release = getattr(comm, "release_buffers", lambda: None)
+    if target == "cuda" and original is not None:
         comm._send_buffer = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
     try:
         yield
     finally:
-        comm._send_buffer = original
-        comm.release_buffers()
+        if original is not None:
+            comm._send_buffer = original
+        release()
 
 
 def _engine(req: TraceRequest, model: torch.nn.Module):
@@ -161,7 +163,7 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     quiet = logging.getLogger("diffusers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    comm.release_buffers()
+    getattr(comm, "release_buffers", lambda: None)()
     try:
         with (
             warnings.catch_warnings(),
@@ -218,8 +220,8 @@ def _traced(engine: Any, lists: dict[str, int], inputs: dict[str, Any], step: An
 
 
 def create_optimizer_state(engine: Any) -> None:
-    """One optimizer step on zero gradients, untraced: AdamW creates its moments lazily, and torch's tracker
-    would count DTensor's first-call sharding propagation (global-size fake tensors) as memory."""
+    """One optimizer step on zero gradients, untraced: AdamW creates its moments in its first step, and a running
+    job's step (the one predicted) starts with them."""
     for p in engine.trainable:
         p.grad = torch.zeros_like(p)
     engine.optimizer.step()
