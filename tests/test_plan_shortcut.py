@@ -1,7 +1,8 @@
-"""The block shortcut (runs with 2 and 3 blocks per list, extrapolated) against a full trace of the whole model:
-every place's peak by part, the FLOPs and the bytes sent must be the same, to the byte. Small models of real
-classes (fake tensors; nothing is allocated): a one-list Wan with checkpointing and LoRA, and a two-list Flux
-with full fine-tuning, both at Ulysses 2 on 4 ranks with uneven shards."""
+"""The block shortcut (runs with 3 and 4 blocks per list, extrapolated) against a full trace of the whole model:
+every place's peak by part, the FLOPs and the bytes sent. Small models of real classes (fake tensors; nothing is
+allocated) at Ulysses 2 on 4 ranks with uneven shards: Qwen-Image with checkpointing (where FSDP's retained
+reduce-scatter buffer makes a block next to the first or the last one differ), Wan with checkpointing and LoRA,
+and a two-list Flux with full fine-tuning."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from sp_diffusers.plan.models import FAMILIES, ModelSpec
 from sp_diffusers.plan.shapes import Workload
 from sp_diffusers.plan.trace import TraceRequest, block_lists, run_trace
 
+QWEN = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=4,
+    num_layers=6,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    axes_dims_rope=(8, 12, 12),
+)
 WAN = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
@@ -27,7 +38,7 @@ FLUX = dict(
     patch_size=1,
     in_channels=16,
     num_layers=4,
-    num_single_layers=3,
+    num_single_layers=4,
     attention_head_dim=16,
     num_attention_heads=2,
     joint_attention_dim=32,
@@ -38,8 +49,8 @@ FLUX = dict(
 
 @pytest.mark.parametrize(
     "kind, config, checkpointing, lora",
-    [("wan", WAN, True, 4), ("flux", FLUX, False, None)],
-    ids=["wan-checkpointing-lora", "flux-two-lists-full"],
+    [("qwenimage", QWEN, True, None), ("wan", WAN, True, 4), ("flux", FLUX, False, None)],
+    ids=["qwen-checkpointing", "wan-checkpointing-lora", "flux-two-lists-full"],
 )
 def test_the_block_shortcut_equals_a_full_trace(kind, config, checkpointing, lora):
     spec = ModelSpec(f"small-{kind}", kind, config, FAMILIES[kind])
@@ -52,12 +63,18 @@ def test_the_block_shortcut_equals_a_full_trace(kind, config, checkpointing, lor
 
     full_train, full_rollout = trace(lists)
     runs = [trace(c) for c in shortcut_counts(lists)]
-    assert len(runs) == 1 + len(lists)  # 2 per list, then 3 in each list in turn
+    assert len(runs) == 1 + len(lists)  # 3 per list, then 4 in each list in turn
     for full, got in (
         (full_train, combine(lists, [r[0] for r in runs])),
         (full_rollout, combine(lists, [r[1] for r in runs])),
     ):
-        assert got.places == full.places
+        assert got.places.keys() == full.places.keys()
+        for place, parts in full.places.items():
+            # equal to the byte but in the optimizer step, whose temporaries the garbage collector frees a few
+            # KiB earlier or later from run to run (a full trace differs from itself by as much)
+            slack = 8192 if place[0] == "opt" else 0
+            for part, value in parts.items():
+                assert abs(got.places[place][part] - value) <= slack, (place, part, got.places[place], parts)
         assert got.flops == full.flops
         assert got.comm == pytest.approx(full.comm, rel=1e-12)
     # the places include blocks between the first and the last: the shortcut's hardest case

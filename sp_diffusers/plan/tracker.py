@@ -206,7 +206,8 @@ class _PlaceRecorder:
         return total, merged
 
     def _update_peak_stats(self, peak_state: Any) -> None:  # called by torch's tracker after every op
-        key = (self._phase(), self._block())
+        phase = self._phase()
+        key = (phase, self._block() if phase in ("fw", "bw") else None)
         total, _ = self._current()
         if key != self._segment_key:
             self._segment_key = key
