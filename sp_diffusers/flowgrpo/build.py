@@ -28,6 +28,7 @@ __all__ = [
 ALGORITHMS = ("flow_grpo", "dance_grpo")
 _SCHEDULES = ("auto", "pipeline", "linspace")
 _ENCODERS = ("", "byte", "umt5")
+DANCE_KL = ("verl_omni", "flow_grpo")
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
@@ -149,6 +150,25 @@ def check_algorithm(config: TrainConfig) -> None:
         raise ConfigError(
             f"flowgrpo.noise_level={g.noise_level!r} must be < 1 with sde_type=cps (the angle a pi / 2); flow_grpo "
             "uses 0.8"
+        )
+    if g.dance_kl not in DANCE_KL:
+        raise ConfigError(
+            f"flowgrpo.dance_kl={g.dance_kl!r}: choose 'verl_omni' (KL / (eta^2 (sigma - sigma')), the Gaussian KL of "
+            "the step) or 'flow_grpo' (KL / eta^2, no dt factor)"
+        )
+    lo, hi = g.window_range[0], g.window_range[-1]
+    if (
+        g.algorithm == "flow_grpo"
+        and g.sde_type == "cps"
+        and g.kl_coef > 0
+        and hi + g.window_size - 2 >= g.num_steps - 1
+    ):
+        # CPS's last step (sigma' = 0) has noise std 0: the KL divides by 0 (NaN on-policy, inf after)
+        raise ConfigError(
+            f"flowgrpo.sde_type=cps with flowgrpo.kl_coef={g.kl_coef} and flowgrpo.window_range={g.window_range}: a window "
+            f"starting at {hi - 1} reaches the last step (sigma' = 0), where CPS is deterministic (noise std 0) and the "
+            f"KL term divides by 0; fix: flowgrpo.window_range=[{lo}, {g.num_steps - g.window_size}] (the window ends "
+            "before the last step), or flowgrpo.kl_coef=0"
         )
     if g.algorithm == "dance_grpo" and not (0 < g.timestep_fraction <= 1):
         raise ConfigError(

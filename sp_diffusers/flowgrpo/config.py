@@ -103,6 +103,9 @@ class FlowGRPOConfig:
     clip_range: float = 1e-3
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0
+    # dance_grpo's KL scale: "verl_omni" divides by the step's noise variance eta^2 (sigma - sigma') (the Gaussian
+    # KL of the two steps, as verl-omni's dance_sde); "flow_grpo" by eta^2 (no dt factor, as flow_grpo's SDE KL)
+    dance_kl: str = "verl_omni"
     recompute_old_log_probs: bool = True
     drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt

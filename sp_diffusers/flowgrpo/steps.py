@@ -50,10 +50,10 @@ SDE_TYPES = ("sde", "cps", "dance")
 
 
 def _noise(sample: torch.Tensor, generator: torch.Generator | None, dtype: torch.dtype) -> torch.Tensor:
-    # drawn in the sample's dtype on the generator's device, as sde_step_with_logprob draws it
+    # drawn in the compute dtype (float32 for bf16 latents, as flow_grpo draws it) on the generator's device, as
+    # sde_step_with_logprob draws it
     device = generator.device if generator is not None else sample.device
-    eps = torch.randn(sample.shape, generator=generator, dtype=sample.dtype, device=device)
-    return eps.to(device=sample.device, dtype=dtype)
+    return torch.randn(sample.shape, generator=generator, dtype=dtype, device=device).to(sample.device)
 
 
 def _prepare(sample, model_output, sigma, sigma_next, prev_sample, fn):

@@ -25,9 +25,23 @@ from .pipeline_schedule import Schedule
 from .rollout import Trajectory, evaluate_window_step
 from .steps import StepRule
 
-__all__ = ["policy_update", "window_step_loss"]
+__all__ = ["kl_std", "policy_update", "window_step_loss"]
 
 CondFn = Callable[[torch.Tensor], dict[str, Any]]  # sample indices -> the text conditioning of those samples
+
+
+def kl_std(
+    rule: StepRule, g: FlowGRPOConfig, std_dev_t: torch.Tensor, schedule: Schedule, steps: torch.Tensor
+) -> torch.Tensor:
+    """The ``[b]`` std the KL term divides by: the step's ``std_dev_t``, except for DanceGRPO with
+    ``flowgrpo.dance_kl: verl_omni``, whose KL is the Gaussian KL of the two steps: ``eta sqrt(sigma - sigma')``,
+    the std of the step's noise (verl-omni's ``dance_sde`` returns that std and divides by it). flow_grpo's SDE
+    KL has no ``dt`` factor either (its ``std_t`` leaves ``sqrt(-dt)`` out); ``dance_kl: flow_grpo`` keeps that
+    scale (``eta``), a KL ``1 / (sigma - sigma')`` times smaller."""
+    if rule.sde_type != "dance" or g.dance_kl != "verl_omni":
+        return std_dev_t
+    sigmas = schedule.sigmas.to(device=steps.device, dtype=std_dev_t.dtype)
+    return std_dev_t * torch.sqrt(sigmas[steps] - sigmas[steps + 1])
 
 
 def window_step_loss(
@@ -63,7 +77,7 @@ def window_step_loss(
         kl_args = dict(
             prev_sample_mean=step.prev_sample_mean,
             ref_prev_sample_mean=ref.prev_sample_mean,
-            std_dev_t=step.std_dev_t,
+            std_dev_t=kl_std(rule, g, step.std_dev_t, schedule, steps),
         )
     return flowgrpo_loss(
         step.log_prob,
