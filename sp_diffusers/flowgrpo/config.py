@@ -109,7 +109,10 @@ class FlowGRPOConfig:
     recompute_old_log_probs: bool = True
     drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
-    reward: str = "color"
+    reward: str = "color"  # the built-in reward when `rewards` is empty: color, video_color, mean_latent
+    # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
+    # kwargs, name}]; the total is the weighted sum (reward_loading.py)
+    rewards: list = field(default_factory=list)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .decode import unpack_2x2
+
 __all__ = ["QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
 
 
@@ -35,6 +37,13 @@ class QwenImageAdapter:
     def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents as ``[B, L, C]`` tokens (what the built-in rewards read)."""
         return latents
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Packed tokens -> ``[B, C, 1, H, W]`` for ``AutoencoderKLQwenImage`` (one frame)."""
+        return unpack_2x2(latents, self.grid_h, self.grid_w).unsqueeze(2)
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded[:, :, 0]
 
     def inputs(
         self,
@@ -80,6 +89,12 @@ class SD3Adapter:
 
     def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
         return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded
 
     def inputs(
         self,
@@ -132,6 +147,12 @@ class WanAdapter:
 
     def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
         return latents.permute(0, 2, 3, 4, 1)  # [B, C, F, H, W] -> [B, F, H, W, C]
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
 
     def inputs(
         self,

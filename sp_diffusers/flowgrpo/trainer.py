@@ -43,7 +43,8 @@ from .build import (
 from .config import TrainConfig, validate
 from .metrics import RunLog
 from .models import build_adapter
-from .rewards import Reward, build_reward
+from .reward_scoring import RewardSet
+from .rewards import Reward
 from .rollout import Trajectory, evaluate_window_step, rollout
 from .run_lock import lock_run_dir
 from .selection import kept_samples
@@ -93,7 +94,9 @@ class FlowGRPOTrainer:
             text_len=c.text.max_sequence_length,
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
-        self.reward = reward if reward is not None else build_reward(c.flowgrpo.reward, self.adapter.channels)
+        # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
+        self.reward = reward
+        self.rewards = RewardSet.from_config(c, self.adapter, self.engine, getattr(self, "vae", None))
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
         self.rule = step_rule(c)
@@ -177,7 +180,7 @@ class FlowGRPOTrainer:
             traj.train_steps = batch.get("train_steps")
             if self.engine.debug_checks:
                 self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
-            rewards = self.reward(self.adapter.reward_view(traj.final), batch["prompts"]).float().cpu()
+            rewards, per_reward = self.score(traj.final, batch)
             old_log_probs = traj.rollout_log_probs()
             if g.recompute_old_log_probs:
                 everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
@@ -197,7 +200,10 @@ class FlowGRPOTrainer:
                     ],
                     dim=1,
                 )
-        all_rewards, all_groups = self._gather_dp(rewards), self._gather_dp(batch["group_ids"].cpu())
+        all_groups = self._gather_dp(batch["group_ids"].cpu())
+        # the total and each reward in one gather: [B, 1 + R]
+        table = self._gather_dp(torch.stack([rewards, *per_reward.values()], dim=1))
+        all_rewards = table[:, 0].contiguous()
         # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
         advantages_all = group_advantages(
             all_rewards,
@@ -223,7 +229,16 @@ class FlowGRPOTrainer:
             "reward_std": all_rewards.std(correction=0).item(),
             "zero_advantage_fraction": (advantages_all == 0).double().mean().item(),
         }
+        if len(per_reward) > 1 or (per_reward and self.config.flowgrpo.rewards):
+            stats.update({f"reward/{name}": table[:, 1 + j].mean().item() for j, name in enumerate(per_reward)})
         return traj, advantages.to(traj.latents.device), old_log_probs.detach(), stats
+
+    def score(self, final: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The total reward ``[B]`` (CPU float32) of the final latents and each reward's scores (``reward_scoring``;
+        split over the SP group, identical on its ranks)."""
+        if self.reward is not None:
+            return self.reward(self.adapter.reward_view(final), batch["prompts"]).float().cpu(), {}
+        return self.rewards(final, batch["prompts"], batch.get("metadata"))
 
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.engine.dp_group is None or self.engine.dp_size == 1:
