@@ -116,10 +116,21 @@ class FlowGRPOConfig:
 
 
 @dataclass
+class DataConfig:
+    # a .txt (one prompt a line) or .jsonl ({"prompt": ..., other fields go to the rewards as metadata}) file,
+    # shuffled per epoch from train.seed; "": the `prompts` list, drawn at random
+    train: str = ""
+    eval: str = ""  # held-out prompts (same formats) that train.eval_every evaluates
+
+
+@dataclass
 class TrainLoopConfig:
     iterations: int = 60
     out_dir: str = "runs/flowgrpo-tiny"
     save_every: int = 20
+    eval_every: int = 0  # evaluate data.eval every N iterations (ODE, fixed noise); 0: never
+    sample_every: int = 0  # write a grid of samples to <out_dir>/samples every N iterations; 0: never
+    sample_count: int = 4  # prompts in a sample grid
     resume: bool = True
     seed: int = 0
     progress: bool = True
@@ -134,6 +145,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     flowgrpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.text.DEFAULT_PROMPTS
 
@@ -263,6 +275,15 @@ def validate(config: TrainConfig) -> None:
         "must be >= 1 (1: no CFG)",
     )
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
+        _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
+    _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
+    _require(
+        not t.eval_every or bool(config.data.eval),
+        "train.eval_every",
+        t.eval_every,
+        "evaluates the held-out prompts of data.eval; fix: data.eval=<a .txt or .jsonl file>, or train.eval_every=0",
+    )
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> None:

@@ -59,9 +59,13 @@ def velocity(
     timestep: torch.Tensor,
     cond: dict[str, Any],
     cfg_scale: float,
+    step: int | None = None,
 ) -> torch.Tensor:
     """The model's velocity at ``latents`` and the model timestep ``timestep`` (0-d or ``[B]``, 0..1000 scale);
-    with ``cfg_scale > 1`` classifier-free guidance."""
+    with ``cfg_scale > 1`` classifier-free guidance. ``step``: the schedule step (a host int), which picks the
+    expert of a two-expert model (``experts.ExpertEngines``, Wan2.2); a plain engine ignores it."""
+    if step is not None and hasattr(engine, "for_step"):
+        engine = engine.for_step(step)
     dtype = next(engine.model.parameters()).dtype
     x = latents.to(dtype)
     v = engine.forward(
@@ -102,9 +106,10 @@ def evaluate_window_step(
     or a ``[B]`` long tensor when each sample trains on its own step, as DanceGRPO's do)."""
     if isinstance(step_index, torch.Tensor):
         timestep = schedule.timesteps.to(step_index.device)[step_index]
+        step = None  # per-sample steps: the caller passes the engine of their expert
     else:
-        timestep = schedule.timesteps[step_index]
-    v = velocity(engine, adapter, latents, timestep.to(latents.device), cond, cfg_scale)
+        timestep, step = schedule.timesteps[step_index], step_index
+    v = velocity(engine, adapter, latents, timestep.to(latents.device), cond, cfg_scale, step=step)
     return rule.step(latents, v, schedule.sigmas, step_index, prev_sample=next_latents)
 
 
@@ -137,7 +142,7 @@ def rollout(
     stored, log_probs = [], []
     final = None
     for i in range(num_steps):
-        v = velocity(engine, adapter, x, timesteps[i].to(x.device), cond, cfg_scale)
+        v = velocity(engine, adapter, x, timesteps[i].to(x.device), cond, cfg_scale, step=i)
         if i == num_steps - 1 and final_is_prediction:
             final = x - float(sigmas[i]) * v
         if window_start <= i < window_start + window_size:

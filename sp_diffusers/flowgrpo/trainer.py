@@ -41,6 +41,8 @@ from .build import (
     step_rule,
 )
 from .config import TrainConfig, validate
+from .data import PromptRow, PromptStream, read_prompts
+from .evaluate import Evaluator
 from .metrics import RunLog
 from .models import build_adapter
 from .reward_scoring import RewardSet
@@ -79,6 +81,9 @@ class FlowGRPOTrainer:
         init_distributed()
         self.config = c = config
         check_algorithm(c)
+        # prompt files first: a typo in a path fails before any model is built
+        train_rows = read_prompts(c.data.train, "data.train") if c.data.train else []
+        eval_rows = read_prompts(c.data.eval, "data.eval") if c.data.eval else []
         # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
         # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -101,6 +106,10 @@ class FlowGRPOTrainer:
         self.sigmas = self.schedule.sigmas
         self.rule = step_rule(c)
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
+        # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
+        self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
+        self.data_base = (0, 0)
+        self.evaluator = Evaluator(self, eval_rows, eval_rows or train_rows or [PromptRow(p) for p in self.prompts])
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.start_iteration = 0
@@ -116,10 +125,16 @@ class FlowGRPOTrainer:
         """Prompts, their ragged embeddings, and the initial noise for this DP rank (same on SP peers)."""
         g = self.config.flowgrpo
         gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, self.engine.dp_rank))
-        picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
-        prompts = [self.prompts[i] for i in picks for _ in range(g.group_size)]
+        if self.stream is not None:
+            start = self.data_position(iteration) + self.engine.dp_rank * g.prompts_per_rank
+            rows = self.stream.rows_at(start, g.prompts_per_rank)
+        else:
+            picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
+            rows = [PromptRow(self.prompts[i]) for i in picks]
+        prompts = [r.prompt for r in rows for _ in range(g.group_size)]
         batch: dict[str, Any] = {
             "prompts": prompts,
+            "metadata": [r.metadata for r in rows for _ in range(g.group_size)],
             **self.text_encoder.encode_batch(prompts),
             "group_ids": torch.tensor(
                 [
@@ -143,6 +158,12 @@ class FlowGRPOTrainer:
         if g.cfg_scale > 1.0:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         return batch
+
+    def data_position(self, iteration: int) -> int:
+        """The stream position iteration ``iteration`` starts at (each takes dp x prompts_per_rank prompts)."""
+        base_iteration, base_position = self.data_base
+        per_iteration = self.engine.dp_size * self.config.flowgrpo.prompts_per_rank
+        return base_position + (iteration - base_iteration) * per_iteration
 
     def _cond(self, batch: dict[str, Any], index: torch.Tensor | None = None) -> dict[str, Any]:
         keys = (
@@ -283,6 +304,8 @@ class FlowGRPOTrainer:
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
         metrics.update(stats)
+        if self.stream is not None:
+            metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1
         metrics["seconds"] = time.perf_counter() - start
         return metrics
@@ -294,6 +317,8 @@ class FlowGRPOTrainer:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)
         self.start_iteration = int(extra.get("iteration", 0))
+        self.data_base = (0, 0)
+        self.data_base = (self.start_iteration, int(extra.get("data_position", self.data_position(self.start_iteration))))
         if self.rank == 0:
             print(
                 f"resumed from {find_latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
@@ -301,7 +326,8 @@ class FlowGRPOTrainer:
         self.log.truncate(self.start_iteration)
 
     def save(self, iteration: int) -> Path:
-        return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra={"iteration": iteration})
+        extra = {"iteration": iteration, "data_position": self.data_position(iteration)}
+        return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra=extra)
 
     def run(self) -> list[dict[str, Any]]:
         """Train to ``train.iterations``, resuming from the newest checkpoint; one run per ``train.out_dir`` at a
@@ -342,6 +368,10 @@ class FlowGRPOTrainer:
             )
         for it in range(self.start_iteration, c.iterations):
             metrics = self.train_iteration(it)
+            if c.eval_every and (it + 1) % c.eval_every == 0:
+                metrics.update(self.evaluator.evaluate())
+            if c.sample_every and (it + 1) % c.sample_every == 0:
+                self.evaluator.write_samples(it + 1)
             self.log.append(metrics)
             if bar is not None:
                 bar.update(1)
