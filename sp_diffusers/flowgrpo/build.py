@@ -37,6 +37,10 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     from ..tiny import tiny_model
 
     c = config.model
+    if c.pipeline:
+        from .pipeline_io import load_transformers
+
+        return load_transformers(config, ("transformer",))["transformer"]
     if c.pretrained:
         if not Path(c.pretrained).exists():
             raise FileNotFoundError(
@@ -82,10 +86,11 @@ def build_text_encoder(
             f"text.encoder={c.encoder!r} is not a built-in encoder; choose 'byte', 'umt5' or '' (umt5 for wan, "
             "byte otherwise), or set text.pipeline to a pipeline folder"
         )
-    if c.pipeline:
+    pipeline = c.pipeline or config.model.pipeline
+    if pipeline:
         # on the training device, in the training precision: T5-XXL alone is 4.7B parameters
         return PipelineTextEncoder(
-            c.pipeline,
+            pipeline,
             c.max_sequence_length,
             device=device,
             dtype=torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32,
@@ -110,6 +115,8 @@ def run_schedule(config: TrainConfig, adapter: Any) -> Schedule:
     if kind == "linspace":
         return linspace_schedule(g.num_steps, g.shift)
     folder, key = g.scheduler, "flowgrpo.scheduler"
+    if not folder and config.model.pipeline:
+        folder, key = config.model.pipeline, "model.pipeline"
     if not folder and config.text.pipeline:
         folder, key = config.text.pipeline, "text.pipeline"
     scheduler_config = load_scheduler_config(folder, key) if folder else None

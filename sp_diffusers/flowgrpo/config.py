@@ -25,7 +25,10 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     kind: str = "qwenimage"  # model family (sp_diffusers.tiny): the tiny model, or the class for `pretrained`
-    pretrained: str = ""  # a folder written by save_pretrained (the real-model path)
+    pretrained: str = ""  # a transformer folder written by save_pretrained (model.kind names its class)
+    # a diffusers pipeline folder (save_pretrained / a model repository): its transformer(s), text encoder(s),
+    # scheduler and VAE; sets model.kind from the pipeline class (pipeline_io.py)
+    pipeline: str = ""
     overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
     image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)
     frames: int = 4  # latent frames of a video family (wan); image families ignore it
@@ -40,9 +43,9 @@ class TextConfig:
     hidden_size: int = 32
     num_layers: int = 1
     seed: int = 1234
-    pipeline: str = (
-        ""  # a diffusers pipeline folder whose own text encoders encode the prompts (SD3/SD3.5, Wan)
-    )
+    # a diffusers pipeline folder whose own text encoders encode the prompts (Qwen-Image, FLUX.1, SD3, Wan); "":
+    # model.pipeline's
+    pipeline: str = ""
     max_sequence_length: int = 256  # text tokens: T5 of a pipeline encoder, UMT5 (Wan pads prompts to it)
 
 
@@ -109,6 +112,7 @@ class FlowGRPOConfig:
     recompute_old_log_probs: bool = True
     drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
+    guidance_scale: float = 3.5  # FLUX.1-dev's embedded guidance (FluxPipeline's default); models without one ignore it
     reward: str = "color"  # the built-in reward when `rewards` is empty: color, video_color, mean_latent
     # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
     # kwargs, name}]; the total is the weighted sum (reward_loading.py)

@@ -1,4 +1,5 @@
-"""How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs.
+"""How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs (FLUX.1:
+``flux_adapter.py``).
 
 Latents keep the family's own layout (Qwen-Image: packed tokens ``[B, L, C]``; SD3: ``[B, C, H, W]``; Wan:
 video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments (image grid, ids) and how
@@ -14,8 +15,9 @@ from typing import Any
 import torch
 
 from .decode import unpack_2x2
+from .flux_adapter import FluxAdapter, flux_adapter
 
-__all__ = ["QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
+__all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
 
 
 @dataclass(frozen=True)
@@ -181,10 +183,12 @@ def build_adapter(
     pooled_from_encoder: bool = False,
     frames: int = 1,
     text_len: int = 512,
-) -> QwenImageAdapter | SD3Adapter | WanAdapter:
+    guidance_scale: float = 3.5,
+) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter:
     """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching), ``frames``
     latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input
-    itself; ``text_len``: the text length a Wan pipeline pads prompts to (``text.max_sequence_length``)."""
+    itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to (``text.max_sequence_length``);
+    ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
     from ..compat import diffusers_version
     from ..model_kinds import class_name
 
@@ -200,6 +204,8 @@ def build_adapter(
             channels=config.in_channels,
             needs_txt_seq_lens=diffusers_version().release < (0, 37),
         )
+    if name == "FluxTransformer2DModel":
+        return flux_adapter(model, image_size, pooled_from_encoder, text_len, guidance_scale)
     if name == "SD3Transformer2DModel":
         if image_size % config.patch_size:
             raise ValueError(
@@ -226,6 +232,6 @@ def build_adapter(
             raise ValueError(f"text.max_sequence_length={text_len} must be >= 1 (Wan pads prompts to it)")
         return WanAdapter(frames, image_size, image_size, config.in_channels, (pt, ph, pw), text_len)
     raise ValueError(
-        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, SD3Transformer2DModel, "
-        "WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"
+        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
+        "SD3Transformer2DModel, WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"
     )

@@ -76,18 +76,12 @@ class RewardSet:
             )
 
     @classmethod
-    def from_config(cls, config: Any, adapter: Any, engine: Any = None, vae: Any = None) -> RewardSet:
-        """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``), pixels from ``vae`` when one is given."""
-        from .decode import PixelDecoder
+    def from_config(cls, config: Any, adapter: Any, engine: Any = None, decode: Any = None) -> RewardSet:
+        """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``); pixels from ``decode`` (a ``PixelDecoder``)."""
         from .reward_loading import reward_specs
 
         g = config.flowgrpo
-        specs = reward_specs(g.rewards, g.reward)
-        decode = None
-        if vae is not None and any(s.input == "pixels" for s in specs):
-            device = engine.device if engine is not None else "cpu"
-            decode = PixelDecoder(vae, adapter, device, chunk=g.micro_batch_size)
-        return cls(specs, adapter.reward_view, decode, engine)
+        return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine)
 
     @property
     def names(self) -> list[str]:

@@ -42,9 +42,11 @@ from .build import (
 )
 from .config import TrainConfig, validate
 from .data import PromptRow, PromptStream, read_prompts
+from .decode import PixelDecoder
 from .evaluate import Evaluator
 from .metrics import RunLog
 from .models import build_adapter
+from .pipeline_io import load_vae, resolve_pipeline
 from .reward_scoring import RewardSet
 from .rewards import Reward
 from .rollout import Trajectory, evaluate_window_step, rollout
@@ -84,6 +86,7 @@ class FlowGRPOTrainer:
         # prompt files first: a typo in a path fails before any model is built
         train_rows = read_prompts(c.data.train, "data.train") if c.data.train else []
         eval_rows = read_prompts(c.data.eval, "data.eval") if c.data.eval else []
+        resolve_pipeline(c)  # model.pipeline: its family becomes model.kind
         # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
         # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -94,14 +97,17 @@ class FlowGRPOTrainer:
         self.adapter = build_adapter(
             self.engine.model,
             c.model.image_size,
-            pooled_from_encoder=bool(c.text.pipeline),
+            pooled_from_encoder=bool(c.text.pipeline or c.model.pipeline),
             frames=c.model.frames,
             text_len=c.text.max_sequence_length,
+            guidance_scale=c.flowgrpo.guidance_scale,
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
         # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
         self.reward = reward
-        self.rewards = RewardSet.from_config(c, self.adapter, self.engine, getattr(self, "vae", None))
+        vae = load_vae(c)  # model.pipeline's: pixels for rewards and sample grids
+        self.decoder = PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
+        self.rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
         self.rule = step_rule(c)

@@ -1,0 +1,129 @@
+"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan), the pipeline's own
+``__call__`` is run on a tiny pipeline written with ``save_pretrained`` and every transformer call is recorded; the
+trainer's parts built from the same folder (text encoder, schedule, adapter) must hand the transformer the same
+inputs at the same timesteps. Plus the folder checks (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
+
+FAMILIES = ("qwenimage", "flux", "sd3", "wan")
+PROMPTS = ["a red cat", "a blue teapot on a table"]  # different lengths: ragged text
+# Qwen-Image's template leaves ~130 characters before the prompt (character tokenizer): keep them all
+TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("pipes")
+    return {f: save_tiny_pipeline(f, root / f, num_layers=1) for f in (*FAMILIES, "wan2.2")}
+
+
+def _record(pipe, family):
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
+    timesteps = []
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=3, height=16, width=16, output_type="latent")
+    kwargs["callback_on_step_end"] = lambda p, i, t, k: timesteps.append(float(t)) or {}
+    kwargs.update(max_sequence_length=TEXT_LEN[family])
+    if family == "wan":
+        kwargs.update(num_frames=3, guidance_scale=1.0)
+    elif family == "sd3":
+        kwargs.update(guidance_scale=1.0)
+    pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    return calls, timesteps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, family):
+    from diffusers import DiffusionPipeline
+
+    from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
+    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.pipeline_io import load_transformers, resolve_pipeline
+    from sp_diffusers.padding import pad_text_batch
+
+    pipe = DiffusionPipeline.from_pretrained(folders[family])
+    pipe.set_progress_bar_config(disable=True)
+    calls, timesteps = _record(pipe, family)
+
+    c = TrainConfig()
+    c.model.pipeline, c.model.image_size, c.model.frames = str(folders[family]), 8, 2
+    c.text.max_sequence_length, c.flowgrpo.num_steps = TEXT_LEN[family], 3
+    assert resolve_pipeline(c) == family and c.model.kind == family
+    model = load_transformers(c)["transformer"]
+    adapter = build_adapter(model, 8, pooled_from_encoder=True, frames=2, text_len=TEXT_LEN[family])
+    schedule = run_schedule(c, adapter)
+    assert schedule.timesteps.tolist() == pytest.approx(timesteps, abs=1e-4)  # float32 of the same scheduler
+
+    text = build_text_encoder(c, torch.device("cpu")).encode_batch(PROMPTS)
+    embeds, mask = pad_text_batch(text["prompt_embeds"], text["prompt_embeds_mask"], 1, "prompt_embeds")
+    for i, call in enumerate(calls):
+        ours = adapter.inputs(call["hidden_states"], schedule.timesteps[i], embeds, mask, text.get("pooled_prompt_embeds"))
+        shared = set(ours) & set(call)
+        assert {"hidden_states", "timestep", "encoder_hidden_states"} <= shared
+        for key in shared:
+            want, got = call[key], ours[key]
+            if key == "encoder_hidden_states_mask" and want is None:  # the pipeline drops an all-True mask
+                want = torch.ones_like(got)
+            if key == "joint_attention_kwargs" and want is None:  # SD3: our text mask, all True here = no mask
+                assert got["encoder_hidden_states_mask"].all()
+                continue
+            if not torch.is_tensor(got):  # img_shapes, txt_seq_lens
+                assert got == want, f"{family} step {i}: {key}"
+                continue
+            assert want is not None, key
+            torch.testing.assert_close(got.to(want.dtype), want, atol=1e-5, rtol=0, msg=f"{family} step {i}: {key}")
+        if family == "flux":
+            assert call["guidance"] is not None and "guidance" in ours  # FLUX.1-dev's embedded guidance (3.5)
+
+
+def test_text_encoders_match_encode_prompt(folders):
+    from diffusers import FluxPipeline, QwenImagePipeline
+
+    from sp_diffusers.flowgrpo.text import PipelineTextEncoder
+
+    q = PipelineTextEncoder(str(folders["qwenimage"]), 256)
+    got = q.encode_batch(PROMPTS)
+    ref, mask = QwenImagePipeline.from_pretrained(folders["qwenimage"], transformer=None, vae=None).encode_prompt(
+        PROMPTS, max_sequence_length=256
+    )
+    lengths = [int(m.sum()) for m in mask]
+    assert [e.shape[0] for e in got["prompt_embeds"]] == lengths and lengths[0] != lengths[1]  # ragged
+    for e, r, n in zip(got["prompt_embeds"], ref, lengths, strict=True):
+        assert torch.equal(e, r[:n])
+    assert q.hidden_size == 32
+    f = PipelineTextEncoder(str(folders["flux"]), 16)
+    got = f.encode_batch(PROMPTS, prefix="negative_")
+    embeds, pooled, _ = FluxPipeline.from_pretrained(folders["flux"], transformer=None, vae=None).encode_prompt(
+        PROMPTS, None, max_sequence_length=16
+    )
+    assert torch.equal(torch.stack(got["negative_prompt_embeds"]), embeds)
+    assert torch.equal(got["negative_pooled_prompt_embeds"], pooled) and f.hidden_size == 32
+
+
+def test_folder_checks(folders, tmp_path):
+    from sp_diffusers.flowgrpo.pipeline_io import boundary_ratio, expert_names, resolve_pipeline
+
+    c = TrainConfig()
+    c.model.pipeline = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.pipeline=.* has no model_index\.json"):
+        resolve_pipeline(c)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "U"]}')
+    with pytest.raises(ConfigError, match=r"is a StableDiffusionPipeline; the trainer reads QwenImagePipeline"):
+        resolve_pipeline(c)
+    c.model.pretrained = "x"
+    with pytest.raises(ConfigError, match=r"model\.pipeline=.* and model\.pretrained=.* both name the weights"):
+        resolve_pipeline(c)
+    c = TrainConfig()
+    c.model.pipeline = str(folders["wan2.2"])
+    assert resolve_pipeline(c) == "wan"
+    assert expert_names(c) == ("transformer", "transformer_2") and boundary_ratio(c) == 0.875
+    c.model.pipeline = str(folders["wan"])
+    assert expert_names(c) == ("transformer",) and boundary_ratio(c) is None
