@@ -127,3 +127,57 @@ def test_folder_checks(folders, tmp_path):
     assert expert_names(c) == ("transformer", "transformer_2") and boundary_ratio(c) == 0.875
     c.model.pipeline = str(folders["wan"])
     assert expert_names(c) == ("transformer",) and boundary_ratio(c) is None
+
+
+def test_wan22_experts_switch_where_the_pipeline_switches(folders):
+    from diffusers import WanPipeline
+
+    from sp_diffusers.engine import FSDPEngine
+    from sp_diffusers.flowgrpo.build import engine_settings, run_schedule
+    from sp_diffusers.flowgrpo.experts import (
+        ExpertEngines,
+        FrozenExpert,
+        build_engines,
+        check_expert_steps,
+        share_step_choices,
+    )
+    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.pipeline_io import resolve_pipeline
+
+    pipe = WanPipeline.from_pretrained(folders["wan2.2"])
+    pipe.set_progress_bar_config(disable=True)
+    order: list[str] = []
+    for name in ("transformer", "transformer_2"):
+        getattr(pipe, name).register_forward_pre_hook(lambda m, a, kw, n=name: order.append(n), with_kwargs=True)
+    pipe(prompt=PROMPTS[:1], num_inference_steps=6, height=16, width=16, num_frames=3, guidance_scale=1.0,
+         max_sequence_length=16, output_type="latent")  # fmt: skip
+    assert set(order) == {"transformer", "transformer_2"}
+
+    c = TrainConfig()
+    c.model.pipeline, c.model.frames, c.flowgrpo.num_steps = str(folders["wan2.2"]), 2, 6
+    c.parallel.ulysses_sequence_parallel_size, c.flowgrpo.window_range = 1, [0, 5]
+    resolve_pipeline(c)
+    engines = build_engines(c, None, FSDPEngine, engine_settings(c))
+    assert isinstance(engines, ExpertEngines) and set(engines.trained) == {"transformer", "transformer_2"}
+    engines.bind_schedule(run_schedule(c, build_adapter(engines.model, 8, True, 2, 16)).timesteps)
+    assert engines.route == order  # WanPipeline: timestep >= 0.875 x 1000 -> transformer, else transformer_2
+
+    # the window start is drawn from the iteration's seed alone (every dp rank alike), over trained steps only
+    batch = {"prompts": ["x"] * 2}
+    share_step_choices(batch, engines, c, seed=5)
+    again = dict(prompts=["x"] * 2)
+    share_step_choices(again, engines, c, seed=5)
+    assert batch["window_start"] == again["window_start"]
+
+    c.model.experts = ["transformer_2"]
+    low_only = build_engines(c, None, FSDPEngine, engine_settings(c))
+    low_only.bind_schedule(torch.tensor([999.0, 900.0, 500.0, 100.0]))
+    assert isinstance(low_only.experts["transformer"], FrozenExpert) and list(low_only.trained) == ["transformer_2"]
+    assert low_only.trainable_steps() == [2, 3]
+    assert not any(p.requires_grad for p in low_only.experts["transformer"].model.parameters())
+    c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 4, 2, [0, 2]
+    with pytest.raises(ConfigError, match=r"no trainable window .* fix: flowgrpo\.window_range=\[2, 3\]"):
+        check_expert_steps(low_only, c)
+    c.model.experts = ["transformer_3"]
+    with pytest.raises(ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"):
+        build_engines(c, None, FSDPEngine, engine_settings(c))

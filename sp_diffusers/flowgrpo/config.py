@@ -29,6 +29,8 @@ class ModelConfig:
     # a diffusers pipeline folder (save_pretrained / a model repository): its transformer(s), text encoder(s),
     # scheduler and VAE; sets model.kind from the pipeline class (pipeline_io.py)
     pipeline: str = ""
+    # a two-expert Wan2.2 pipeline: which to train, of transformer (high noise) and transformer_2 (low noise); []: all
+    experts: list = field(default_factory=list)
     overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
     image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)
     frames: int = 4  # latent frames of a video family (wan); image families ignore it

@@ -31,6 +31,13 @@ class Trajectory:
     window_start: int  # index into the schedule of the span's first step
     final: torch.Tensor  # [B, ...] the denoised latents (reward input)
     train_steps: torch.Tensor | None = None  # [B, T] schedule steps to train on; None: every span step
+    host_steps: list[int] | None = None  # the T trained steps when every sample shares them (two experts)
+
+    def host_step(self, k: int) -> int | None:
+        """The schedule step of the k-th trained step as a host int when every sample shares it, else None."""
+        if self.train_steps is None:
+            return self.window_start + k
+        return self.host_steps[k] if self.host_steps is not None else None
 
     def steps(self) -> torch.Tensor:
         """``[B, T]`` long: the schedule step of each sample's k-th trained step."""

@@ -32,7 +32,6 @@ from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
 from .advantages import group_advantages
 from .build import (
-    build_model,
     build_text_encoder,
     check_algorithm,
     check_run,
@@ -44,6 +43,7 @@ from .config import TrainConfig, validate
 from .data import PromptRow, PromptStream, read_prompts
 from .decode import PixelDecoder
 from .evaluate import Evaluator
+from .experts import ExpertEngines, build_engines, check_expert_steps, route, share_step_choices
 from .metrics import RunLog
 from .models import build_adapter
 from .pipeline_io import load_vae, resolve_pipeline
@@ -91,8 +91,8 @@ class FlowGRPOTrainer:
         # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        model = model if model is not None else build_model(c)
-        self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c))
+        # one engine, or Wan2.2's two experts (experts.py)
+        self.engine = build_engines(c, model, engine_factory or FSDPEngine, engine_settings(c))
         self.text_encoder = build_text_encoder(c, self.engine.device)
         self.adapter = build_adapter(
             self.engine.model,
@@ -110,6 +110,9 @@ class FlowGRPOTrainer:
         self.rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
+        if isinstance(self.engine, ExpertEngines):
+            self.engine.bind_schedule(self.schedule.timesteps)
+            check_expert_steps(self.engine, c)
         self.rule = step_rule(c)
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
         # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
@@ -163,6 +166,8 @@ class FlowGRPOTrainer:
             )
         if g.cfg_scale > 1.0:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
+        if isinstance(self.engine, ExpertEngines):  # every rank trains the same expert at a time
+            share_step_choices(batch, self.engine, self.config, _seed(self.config.train.seed, iteration, 0x2E))
         return batch
 
     def data_position(self, iteration: int) -> int:
@@ -204,7 +209,7 @@ class FlowGRPOTrainer:
                 g.cfg_scale,
                 final_is_prediction=dance,
             )
-            traj.train_steps = batch.get("train_steps")
+            traj.train_steps, traj.host_steps = batch.get("train_steps"), batch.get("train_steps_host")
             if self.engine.debug_checks:
                 self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
             rewards, per_reward = self.score(traj.final, batch)
@@ -214,7 +219,7 @@ class FlowGRPOTrainer:
                 old_log_probs = torch.stack(
                     [
                         evaluate_window_step(
-                            self.engine,
+                            route(self.engine, traj.host_step(k)),
                             self.adapter,
                             *traj.step_latents(everyone, k)[1:],
                             self.schedule,
@@ -319,7 +324,8 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------------------------------- loop
 
     def _resume(self) -> None:
-        if not self.config.train.resume or find_latest(self.ckpt_dir) is None:
+        latest = getattr(self.engine, "find_latest", find_latest)  # two experts: one root each
+        if not self.config.train.resume or latest(self.ckpt_dir) is None:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)
         self.start_iteration = int(extra.get("iteration", 0))
@@ -327,7 +333,7 @@ class FlowGRPOTrainer:
         self.data_base = (self.start_iteration, int(extra.get("data_position", self.data_position(self.start_iteration))))
         if self.rank == 0:
             print(
-                f"resumed from {find_latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
+                f"resumed from {latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
             )
         self.log.truncate(self.start_iteration)
 

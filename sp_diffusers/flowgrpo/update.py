@@ -20,6 +20,7 @@ import torch
 
 from ..engine import FSDPEngine
 from .config import FlowGRPOConfig
+from .experts import route
 from .loss import flowgrpo_loss
 from .pipeline_schedule import Schedule
 from .rollout import Trajectory, evaluate_window_step
@@ -139,7 +140,8 @@ def policy_update(
                         old_log_probs=old_log_probs,
                         normalizer=normalizer,
                     )
-                    for key, value in engine.forward_backward(None, loss_fn).items():
+                    # two experts: the one that runs this step (the same on every rank: experts.py)
+                    for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():
                         if isinstance(value, float):
                             sums[key] = sums.get(key, 0.0) + value
                     count += 1
