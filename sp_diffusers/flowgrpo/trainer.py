@@ -13,7 +13,9 @@ batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and T
 installed), ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
 restarted run resumes from the newest one.
 
-Building the parts from the config: ``build.py``; the policy update: ``update.py``; metrics: ``metrics.py``.
+Building the parts from the config: ``build.py`` (a pipeline folder: ``pipeline_io.py``; Wan2.2's experts:
+``experts.py``); prompts: ``data.py``; rewards: ``reward_scoring.py``; the policy update: ``update.py``; eval and
+sample grids: ``evaluate.py``; metrics: ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -329,7 +331,7 @@ class FlowGRPOTrainer:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)
         self.start_iteration = int(extra.get("iteration", 0))
-        self.data_base = (0, 0)
+        # checkpoints older than data files: the position an unchanged layout reaches
         self.data_base = (self.start_iteration, int(extra.get("data_position", self.data_position(self.start_iteration))))
         if self.rank == 0:
             print(
@@ -367,37 +369,17 @@ class FlowGRPOTrainer:
                 )
             self.log.close(plot=False)
             return self.history
-        bar = None
-        if self.rank == 0 and c.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=c.iterations,
-                initial=self.start_iteration,
-                desc="FlowGRPO",
-                unit="it",
-                dynamic_ncols=True,
-            )
+        if c.progress:
+            self.log.start_progress(c.iterations, self.start_iteration)
         for it in range(self.start_iteration, c.iterations):
             metrics = self.train_iteration(it)
             if c.eval_every and (it + 1) % c.eval_every == 0:
                 metrics.update(self.evaluator.evaluate())
             if c.sample_every and (it + 1) % c.sample_every == 0:
                 self.evaluator.write_samples(it + 1)
-            self.log.append(metrics)
-            if bar is not None:
-                bar.update(1)
-                # what moves in an on-policy run (its loss is ~0 and ppo_kl 0 by construction)
-                bar.set_postfix(
-                    reward=f"{metrics['reward_mean']:+.3f}",
-                    clip=f"{metrics.get('clipfrac', 0.0):.2f}",
-                    grad=f"{metrics.get('grad_norm', 0.0):.2f}",
-                    s_it=f"{metrics['seconds']:.1f}",
-                )
+            self.log.append(metrics)  # and the progress bar
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
                 self.save(it + 1)
-        if bar is not None:
-            bar.close()
         if self.start_iteration < c.iterations:
             self.save(c.iterations)
         layout = self.engine.layout
