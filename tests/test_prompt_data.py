@@ -97,3 +97,21 @@ def test_media_png_grid_and_gif_without_a_video_writer(tmp_path, monkeypatch):
     assert q.shape == (2, 3, 8, 8) and q.min() >= 0 and q.max() <= 1
     w = latent_preview(WanAdapter(3, 8, 8, 4, (1, 2, 2), 16), torch.randn(2, 4, 3, 8, 8))
     assert w.shape == (2, 3, 3, 8, 8)
+
+
+@pytest.mark.parametrize(
+    "name", ["tiny_pipeline_sp2.yaml", "qwen_image_lora.yaml", "flux1_dev_lora.yaml", "wan22_a14b_lora.yaml"]
+)
+def test_example_configs_load_and_name_loadable_rewards(name, monkeypatch):
+    from pathlib import Path
+
+    from sp_diffusers.flowgrpo.config import load_config
+    from sp_diffusers.flowgrpo.reward_loading import reward_specs
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    c = load_config(root / "examples" / "configs" / name)
+    assert c.model.pipeline and c.data.train and c.data.eval and c.train.eval_every > 0
+    assert all(s.input == "pixels" for s in reward_specs(c.flowgrpo.rewards, c.flowgrpo.reward))
+    if name == "tiny_pipeline_sp2.yaml":
+        assert read_prompts(c.data.train)[0].metadata == {"color": "red"} and read_prompts(c.data.eval)
