@@ -28,7 +28,7 @@ def _record(pipe, family):
     calls = []
     hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
     timesteps = []
-    kwargs = dict(prompt=PROMPTS, num_inference_steps=3, height=16, width=16, output_type="latent")
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=3, height=16, width=32, output_type="latent")  # not square
     kwargs["callback_on_step_end"] = lambda p, i, t, k: timesteps.append(float(t)) or {}
     kwargs.update(max_sequence_length=TEXT_LEN[family])
     if family == "wan":
@@ -54,11 +54,11 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
     calls, timesteps = _record(pipe, family)
 
     c = TrainConfig()
-    c.model.pipeline, c.model.image_size, c.model.frames = str(folders[family]), 8, 2
+    c.model.pipeline, c.model.image_size, c.model.image_width, c.model.frames = str(folders[family]), 8, 16, 2
     c.text.max_sequence_length, c.flowgrpo.num_steps = TEXT_LEN[family], 3
     assert resolve_pipeline(c) == family and c.model.kind == family
     model = load_transformers(c)["transformer"]
-    adapter = build_adapter(model, 8, pooled_from_encoder=True, frames=2, text_len=TEXT_LEN[family])
+    adapter = build_adapter(model, 8, True, 2, TEXT_LEN[family], image_width=16)
     schedule = run_schedule(c, adapter)
     assert schedule.timesteps.tolist() == pytest.approx(timesteps, abs=1e-4)  # float32 of the same scheduler
 

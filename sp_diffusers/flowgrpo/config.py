@@ -32,7 +32,8 @@ class ModelConfig:
     # a two-expert Wan2.2 pipeline: which to train, of transformer (high noise) and transformer_2 (low noise); []: all
     experts: list = field(default_factory=list)
     overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
-    image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)
+    image_size: int = 8  # latent height before patching (pixels / the VAE's factor; tokens = (size / patch)^2)
+    image_width: int = 0  # latent width (0: image_size, square)
     frames: int = 4  # latent frames of a video family (wan); image families ignore it
     seed: int = 0
 

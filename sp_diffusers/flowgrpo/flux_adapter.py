@@ -88,12 +88,10 @@ class FluxAdapter:
 
 
 def flux_adapter(
-    model: torch.nn.Module, image_size: int, pooled_from_encoder: bool, text_len: int, guidance_scale: float
+    model: torch.nn.Module, height: int, width: int, pooled_from_encoder: bool, text_len: int, guidance_scale: float
 ) -> FluxAdapter:
-    """The adapter for a FLUX.1 transformer at latent size ``image_size`` (the VAE's latent height = width)."""
+    """The adapter for a FLUX.1 transformer at the VAE's latent ``height`` x ``width`` (both even)."""
     config = model.config
-    if image_size % 2:
-        raise ValueError(f"model.image_size={image_size} must be even: FluxPipeline packs 2 x 2 latents into a token")
     if config.patch_size != 1:
         raise ValueError(f"the FlowGRPO Flux adapter packs 2 x 2 latents itself; the model's patch_size is {config.patch_size}")
     if not pooled_from_encoder and config.joint_attention_dim != config.pooled_projection_dim:
@@ -105,4 +103,4 @@ def flux_adapter(
     if text_len < 1:
         raise ValueError(f"text.max_sequence_length={text_len} must be >= 1 (FluxPipeline pads T5 to it)")
     guidance = guidance_scale if config.guidance_embeds else None
-    return FluxAdapter(image_size // 2, image_size // 2, config.in_channels, text_len, guidance)
+    return FluxAdapter(height // 2, width // 2, config.in_channels, text_len, guidance)

@@ -184,53 +184,57 @@ def build_adapter(
     frames: int = 1,
     text_len: int = 512,
     guidance_scale: float = 3.5,
+    image_width: int = 0,
 ) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter:
-    """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching), ``frames``
-    latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input
-    itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to (``text.max_sequence_length``);
-    ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
+    """The adapter for ``model`` at latent height ``image_size`` and width ``image_width`` (0: ``image_size``; before
+    patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
+    projection input itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to
+    (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
     from ..compat import diffusers_version
     from ..model_kinds import class_name
 
     name = class_name(model)
     config = model.config
+    h, w = image_size, image_width or image_size
+
+    def check(patch_h: int, patch_w: int) -> None:
+        if h % patch_h or w % patch_w:
+            what = f"model.image_size={h} x model.image_width={w}" if image_width else f"model.image_size={h}"
+            raise ValueError(
+                f"{what} must be a multiple of the patch size {(patch_h, patch_w)} (the latent height x width; "
+                "FLUX.1: 2 x 2, its pipeline packs 2 x 2 latents into a token)"
+            )
+
     if name == "QwenImageTransformer2DModel":
-        patch = config.patch_size
-        if image_size % patch:
-            raise ValueError(f"model.image_size={image_size} must be a multiple of the patch size {patch}")
+        check(config.patch_size, config.patch_size)
         return QwenImageAdapter(
-            grid_h=image_size // patch,
-            grid_w=image_size // patch,
+            grid_h=h // config.patch_size,
+            grid_w=w // config.patch_size,
             channels=config.in_channels,
             needs_txt_seq_lens=diffusers_version().release < (0, 37),
         )
     if name == "FluxTransformer2DModel":
-        return flux_adapter(model, image_size, pooled_from_encoder, text_len, guidance_scale)
+        check(2, 2)  # FluxPipeline packs 2 x 2 latents into one token
+        return flux_adapter(model, h, w, pooled_from_encoder, text_len, guidance_scale)
     if name == "SD3Transformer2DModel":
-        if image_size % config.patch_size:
-            raise ValueError(
-                f"model.image_size={image_size} must be a multiple of the patch size {config.patch_size}"
-            )
+        check(config.patch_size, config.patch_size)
         if not pooled_from_encoder and config.joint_attention_dim != config.pooled_projection_dim:
             raise ValueError(
                 f"the FlowGRPO SD3 adapter pools the text embeddings ({config.joint_attention_dim}) into "
                 f"pooled_projections ({config.pooled_projection_dim}); they must be equal, or encode prompts with "
                 "the pipeline's own text encoders (text.pipeline=<pipeline folder>), which give the pooled input"
             )
-        return SD3Adapter(image_size, image_size, config.in_channels, config.patch_size)
+        return SD3Adapter(h, w, config.in_channels, config.patch_size)
     if name == "WanTransformer3DModel":
         pt, ph, pw = config.patch_size
-        if image_size % ph or image_size % pw:
-            raise ValueError(
-                f"model.image_size={image_size} must be a multiple of the patch size {(ph, pw)} (latent height/width)"
-            )
+        check(ph, pw)
         if frames < 1 or frames % pt:
             raise ValueError(
                 f"model.frames={frames} must be a positive multiple of the temporal patch size {pt} (latent frames)"
             )
         if text_len < 1:
             raise ValueError(f"text.max_sequence_length={text_len} must be >= 1 (Wan pads prompts to it)")
-        return WanAdapter(frames, image_size, image_size, config.in_channels, (pt, ph, pw), text_len)
+        return WanAdapter(frames, h, w, config.in_channels, (pt, ph, pw), text_len)
     raise ValueError(
         f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
         "SD3Transformer2DModel, WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"

@@ -103,6 +103,7 @@ class FlowGRPOTrainer:
             frames=c.model.frames,
             text_len=c.text.max_sequence_length,
             guidance_scale=c.flowgrpo.guidance_scale,
+            image_width=c.model.image_width,
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
         # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
