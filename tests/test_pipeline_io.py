@@ -176,6 +176,12 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     assert low_only.trainable_steps() == [2, 3]
     assert not any(p.requires_grad for p in low_only.experts["transformer"].model.parameters())
     c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 4, 2, [0, 2]
+    # DanceGRPO with two experts: one subset of the trained expert's steps for the whole batch (never the last)
+    c.flowgrpo.algorithm, c.flowgrpo.timestep_fraction = "dance_grpo", 0.6
+    dance = {"prompts": ["x"] * 3}
+    share_step_choices(dance, low_only, c, seed=1)
+    assert dance["train_steps_host"] == [2] and dance["train_steps"].tolist() == [[2]] * 3
+    c.flowgrpo.algorithm = "flow_grpo"
     with pytest.raises(ConfigError, match=r"no trainable window .* fix: flowgrpo\.window_range=\[2, 3\]"):
         check_expert_steps(low_only, c)
     c.model.experts = ["transformer_3"]

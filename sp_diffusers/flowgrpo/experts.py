@@ -62,7 +62,7 @@ class ExpertEngines:
 
     def __init__(self, experts: dict[str, FSDPEngine | FrozenExpert], boundary_timestep: float) -> None:
         self.experts, self.boundary_timestep = experts, float(boundary_timestep)
-        self.trained = {n: e for n, e in experts.items() if isinstance(e, FSDPEngine)}
+        self.trained = {n: e for n, e in experts.items() if not isinstance(e, FrozenExpert)}
         self.primary = next(iter(self.trained.values()))
         self.route: list[str] = []
 
