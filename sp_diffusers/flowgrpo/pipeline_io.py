@@ -23,6 +23,7 @@ __all__ = [
     "PIPELINE_FAMILIES",
     "boundary_ratio",
     "expert_names",
+    "from_pretrained",
     "load_transformers",
     "load_vae",
     "param_dtype",
@@ -106,6 +107,16 @@ def compute_dtype(config: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32
 
 
+def from_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
+    """``cls.from_pretrained`` with ``torch_dtype``, which every supported diffusers takes (newer ones prefer
+    ``dtype`` and warn about the old name: the warning is not the user's to act on)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+        return cls.from_pretrained(path, **kwargs)
+
+
 def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:
     """``{name: transformer}`` of ``model.pipeline`` (``names``: default all), each in the training dtype, on CPU."""
     from ..model_kinds import model_class
@@ -113,7 +124,7 @@ def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None)
     cls = model_class(config.model.kind)
     dtype = param_dtype(config)
     return {
-        name: cls.from_pretrained(config.model.pipeline, subfolder=name, torch_dtype=dtype)
+        name: from_pretrained(cls, config.model.pipeline, subfolder=name, torch_dtype=dtype)
         for name in (names or expert_names(config))
     }
 
@@ -131,4 +142,4 @@ def load_vae(config: TrainConfig) -> torch.nn.Module | None:
     cls = getattr(diffusers, cls_name, None)
     if cls is None:
         raise ConfigError(f"model.pipeline: its vae is a {library}.{cls_name}, which this diffusers does not have")
-    return cls.from_pretrained(config.model.pipeline, subfolder="vae", torch_dtype=compute_dtype(config))
+    return from_pretrained(cls, config.model.pipeline, subfolder="vae", torch_dtype=compute_dtype(config))

@@ -71,6 +71,7 @@ def render(
     import torch.distributed as dist
 
     from .media import save_image, save_video
+    from .pipeline_io import from_pretrained
 
     out = Path(out)
     if out.suffix.lower() not in (".png", *_VIDEO_SUFFIXES):
@@ -80,7 +81,7 @@ def render(
     if ulysses < 1:
         raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    pipe = diffusers.DiffusionPipeline.from_pretrained(pipeline, torch_dtype=torch_dtype)
+    pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype)
     video = type(pipe).__name__.startswith("Wan")
     if video != (out.suffix.lower() in _VIDEO_SUFFIXES):
         kind = "a video pipeline: write .mp4 or .gif" if video else "an image pipeline: write .png"
