@@ -201,7 +201,8 @@ def build_adapter(
         if h % patch_h or w % patch_w:
             what = f"model.image_size={h} x model.image_width={w}" if image_width else f"model.image_size={h}"
             raise ValueError(
-                f"{what} must be a multiple of the patch size {(patch_h, patch_w)} (the latent height x width; "
+                f"{what} must be a multiple of the patch size {patch_h if patch_h == patch_w else (patch_h, patch_w)} "
+                "(the latent height x width; "
                 "FLUX.1: 2 x 2, its pipeline packs 2 x 2 latents into a token)"
             )
 
