@@ -31,7 +31,12 @@ _ENCODERS = ("", "byte", "umt5")
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
-    """``model.pretrained`` (a ``save_pretrained`` folder of ``model.kind``'s class), else the tiny model."""
+    """``model.pretrained`` (a ``save_pretrained`` folder of ``model.kind``'s class), else the tiny model.
+
+    A pretrained model is built with its parameters on ``meta``: nothing is loaded here. The engine shards it
+    first and then each rank reads only its own shards from the folder, in the training dtype
+    (:func:`engine_settings` points ``weights`` there): no rank ever holds the whole model, in any dtype."""
+    from ..engine.weights import meta_model
     from ..model_kinds import model_class
     from ..tiny import tiny_model
 
@@ -41,14 +46,18 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
             raise FileNotFoundError(
                 f"model.pretrained={c.pretrained!r} does not exist (a save_pretrained folder)"
             )
-        return model_class(c.kind).from_pretrained(c.pretrained)
+        return meta_model(model_class(c.kind), c.pretrained)
     return tiny_model(c.kind, seed=c.seed, **c.overrides)
 
 
-def engine_settings(config: TrainConfig) -> EngineSettings:
-    """The ``parallel``, ``optim`` and ``lora`` sections as the engine's settings."""
+def engine_settings(config: TrainConfig, model: torch.nn.Module | None = None) -> EngineSettings:
+    """The ``parallel``, ``optim`` and ``lora`` sections as the engine's settings; for a ``model`` built on meta
+    by :func:`build_model`, ``weights`` = ``model.pretrained`` (each rank loads its shards after sharding)."""
+    from ..engine.weights import on_meta
+
     p, o, lora = config.parallel, config.optim, config.lora
     return EngineSettings(
+        weights=config.model.pretrained if model is not None and on_meta(model) else None,
         ulysses_sequence_parallel_size=p.ulysses_sequence_parallel_size,
         ring_degree=p.ring_degree,
         optim=OptimSettings(

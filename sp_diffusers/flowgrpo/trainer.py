@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import collective_device, fetch_scalars, to_device
 from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
@@ -83,7 +84,7 @@ class FlowGRPOTrainer:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         model = model if model is not None else build_model(c)
-        self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c))
+        self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c, model))
         self.text_encoder = build_text_encoder(c, self.engine.device)
         self.adapter = build_adapter(
             self.engine.model,
@@ -177,7 +178,7 @@ class FlowGRPOTrainer:
             traj.train_steps = batch.get("train_steps")
             if self.engine.debug_checks:
                 self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
-            rewards = self.reward(self.adapter.reward_view(traj.final), batch["prompts"]).float().cpu()
+            rewards = self.reward(self.adapter.reward_view(traj.final), batch["prompts"]).float()
             old_log_probs = traj.rollout_log_probs()
             if g.recompute_old_log_probs:
                 everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
@@ -197,7 +198,10 @@ class FlowGRPOTrainer:
                     ],
                     dim=1,
                 )
-        all_rewards, all_groups = self._gather_dp(rewards), self._gather_dp(batch["group_ids"].cpu())
+        # rewards, advantages and their statistics stay on the device (read once, below)
+        rewards = to_device(rewards, traj.latents.device)
+        all_rewards = self._gather_dp(rewards)
+        all_groups = self._gather_dp(to_device(batch["group_ids"], rewards.device))
         # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
         advantages_all = group_advantages(
             all_rewards,
@@ -218,24 +222,23 @@ class FlowGRPOTrainer:
                 g.mini_batches,
                 batch["shuffle_seed"] + 1,
             )
-        stats = {
-            "reward_mean": all_rewards.mean().item(),
-            "reward_std": all_rewards.std(correction=0).item(),
-            "zero_advantage_fraction": (advantages_all == 0).double().mean().item(),
-        }
-        return traj, advantages.to(traj.latents.device), old_log_probs.detach(), stats
+        stats = fetch_scalars(
+            {
+                "reward_mean": all_rewards.mean(),
+                "reward_std": all_rewards.std(correction=0),
+                "zero_advantage_fraction": (advantages_all == 0).double().mean(),
+            }
+        )
+        return traj, advantages, old_log_probs.detach(), stats
 
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.engine.dp_group is None or self.engine.dp_size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.engine.dp_size)]
-        if dist.get_backend(self.engine.dp_group) == "nccl":
-            parts = [p.cuda() for p in parts]
-            dist.all_gather(parts, t.cuda(), group=self.engine.dp_group)
-            parts = [p.cpu() for p in parts]
-        else:
-            dist.all_gather(parts, t, group=self.engine.dp_group)
-        return torch.cat(parts)
+        group = self.engine.dp_group
+        mine = to_device(t, collective_device(group))
+        gathered = mine.new_empty((self.engine.dp_size * mine.shape[0], *mine.shape[1:]))  # rank-major
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        return to_device(gathered, t.device)
 
     def update(
         self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
