@@ -60,6 +60,10 @@ def _child(
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["SP_BENCH_DEVICE"] = dev
+    if dev == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = (
+            ""  # a CPU run stays on the CPU on a GPU host too (engine defaults)
+        )
     torch.set_num_threads(threads)
     if dev == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -182,6 +186,16 @@ def max_over_ranks(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64).to(collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def count_flops(fn: Callable[[], Any]) -> float:
+    """The FLOPs ``fn`` runs on this rank (torch's ``FlopCounterMode``: matmuls, convolutions, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return float(counter.get_total_flops())
 
 
 def gpu_peak_tflops(dtype: torch.dtype, dev: torch.device | None = None) -> float | None:

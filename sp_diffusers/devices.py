@@ -139,15 +139,21 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def fetch_scalars(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with every one-element tensor as a Python float, read in one device-to-host transfer per
-    device (one host sync for a whole step's metrics, not one per metric); other values as they are."""
-    out = dict(values)
-    by_device: dict[torch.device, list[str]] = {}
+    """``values`` with every one-element tensor (also inside a list or tuple value) as a Python float, read in
+    one device-to-host transfer per device: one host sync for a whole step's metrics, not one per metric.
+    Other values are returned as they are."""
+    slots: dict[torch.device, list[tuple[str, int | None, torch.Tensor]]] = {}
     for key, value in values.items():
-        if torch.is_tensor(value) and value.numel() == 1:
-            by_device.setdefault(value.device, []).append(key)
-    for keys in by_device.values():
-        stacked = torch.stack([values[k].detach().reshape(()).to(torch.float64) for k in keys])
-        for key, number in zip(keys, stacked.tolist(), strict=True):
-            out[key] = number
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for index, item in items:
+            if torch.is_tensor(item) and item.numel() == 1:
+                slots.setdefault(item.device, []).append((key, index, item))
+    out = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
+    for found in slots.values():
+        numbers = torch.stack([t.detach().reshape(()).to(torch.float64) for _, _, t in found]).tolist()
+        for (key, index, _), number in zip(found, numbers, strict=True):
+            if index is None:
+                out[key] = number
+            else:
+                out[key][index] = number
     return out

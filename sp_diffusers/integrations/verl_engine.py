@@ -347,11 +347,8 @@ class SPDiffusersEngine(BaseEngine):
             losses.append(m["loss"])
             _append(metrics, m)
         # every micro-batch's metrics stayed on the device until here: one transfer for the whole batch
-        flat = {f"{k}/{i}": v for k, values in metrics.items() for i, v in enumerate(values)}
-        flat.update({f"/loss/{i}": v for i, v in enumerate(losses)})
-        host = fetch_scalars(flat)
-        metrics = {k: [host[f"{k}/{i}"] for i in range(len(values))] for k, values in metrics.items()}
-        losses = [host[f"/loss/{i}"] for i in range(len(losses))]
+        metrics = fetch_scalars({**metrics, " losses": losses})
+        losses = metrics.pop(" losses")
         model_output = {k: torch.cat(v) for k, v in outputs.items()}
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
