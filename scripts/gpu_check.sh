@@ -6,8 +6,9 @@
 # torch must be installed already (CUDA build). diffusers (and what it needs that the machine lacks, e.g.
 # importlib_metadata), peft and transformers may come as wheels in DIR: they are installed, offline, into a
 # temporary folder, never into the system. sp-diffusers itself runs from this tree (nothing is installed).
-# Prints one JSON line per check (see scripts/gpu_check.py) and exits 1 when a check fails. About 2-4 minutes
-# on one H200; --device cpu is the dry mode (gloo, toy sizes) that CI runs.
+# Prints one JSON line per check (see scripts/gpu_check.py) and exits 1 when a check fails. Sized for a few
+# minutes on one H200 (an estimate: it has not been run on a GPU yet); --device cpu is the dry mode (gloo,
+# toy sizes) that CI runs.
 # SP_PYTHON chooses the interpreter (default: python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
