@@ -43,8 +43,10 @@ from collections.abc import Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # benchmarks/ (the spawn harness)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpu_check_parity
+# benchmarks/ (the spawn harness) from the tree, appended: sp_diffusers must come from where gpu_check.sh laid
+# it out (with its patches/), or from an install, never from the tree's bare sp_diffusers/ folder
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 import torch  # noqa: E402
 from gpu_check_parity import _result, check_parity  # noqa: E402
@@ -64,7 +66,8 @@ def check_demo(args: argparse.Namespace) -> list[dict[str, Any]]:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if args.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""  # the launch then picks gloo
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        # cwd elsewhere: `-m` puts the cwd first on sys.path, and the tree's sp_diffusers/ lacks its patches/
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stdout + proc.stderr)[-2000:]
             return [_result("demo", False, seconds=time.perf_counter() - start, detail=tail)]
