@@ -57,3 +57,6 @@ def test_meta_model_sources_and_refusals(results):
             and "meta_model" in r["source_for_real_model"]
         )
         assert r["wrong_folder"].startswith("WeightsError") and "no safetensors" in r["wrong_folder"]
+        # an NCCL world's control flow on gloo: agreements on gloo twins over the same ranks
+        assert r["twins"] == [("gloo", [0, 1], True), ("gloo", [0, 1], True)]
+        assert r["twin_step"] == ("same", (1, 16, 1, 4, 4), True)

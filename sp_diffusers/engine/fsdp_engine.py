@@ -58,6 +58,15 @@ class FSDPEngine:
     ``FSDPEngine(model, settings)`` or ``FSDPEngine(model, ulysses_sequence_parallel_size=2, lora=...)``: keyword
     arguments are :class:`EngineSettings` fields and replace those of ``settings``.
 
+    A model may arrive with its parameters on ``meta`` (built by ``sp_diffusers.engine.weights.meta_model``
+    or under ``accelerate.init_empty_weights()``, buffers real). The engine then shards it first and
+    materialises only this rank's shards on its device, filled from ``weights=`` (``EngineSettings.weights``):
+    a safetensors folder or file (each rank reads only its rows, in the parameter's dtype), a state dict of
+    full tensors, a callable ``init(model)``, or ``"empty"`` (allocated, values left as they are: tracing
+    under ``FakeTensorMode`` with ``device="cpu"``, or a ``load_checkpoint`` that follows). A model with real
+    parameters is never moved whole to the device before sharding: ``fully_shard`` moves each block as it
+    shards it.
+
     Args:
         model: a diffusers transformer with a context-parallel plan (Qwen-Image, Flux, Wan, ...).
         settings: layout, optimizer, LoRA and execution options (:class:`EngineSettings`).

@@ -118,6 +118,30 @@ def build_checks(rank: int, world: int, folder: str) -> dict[str, Any]:
     FSDPEngine(_meta(folder), device="cpu", weights=lambda m: seen.append(type(m).__name__))
     out["init_called"] = seen
 
+    # 3b. the control flow of an NCCL world, on gloo: the engine's agreements on gloo twins of the world and the
+    # SP group (forced here; NCCL needs them), through a step, a batch broadcast and a checkpoint round trip
+    from sp_diffusers.engine import model_setup
+
+    real = model_setup.needs_host_groups
+    model_setup.needs_host_groups = lambda: True
+    try:
+        twin = FSDPEngine(_meta(folder), device="cpu", weights=folder, ulysses_sequence_parallel_size=2)
+    finally:
+        model_setup.needs_host_groups = real
+    groups = (twin.control_group, twin.sp_control_group)
+    out["twins"] = [
+        (dist.get_backend(g), dist.get_process_group_ranks(g), g is not dist.group.WORLD) for g in groups
+    ]
+    batch = twin.prepare_batch({"hidden_states": torch.randn(1, 16, 1, 4, 4), "note": "same"})
+    twin_metrics = twin.train_step({}, lambda eng, b: (_loss(eng), {}))
+    twin.save_checkpoint(f"{folder}/twin", step=1)
+    twin.load_checkpoint(f"{folder}/twin")
+    out["twin_step"] = (
+        batch["note"],
+        tuple(batch["hidden_states"].shape),
+        isinstance(twin_metrics["loss"], float),
+    )
+
     # 4. refusals, on every rank alike
     out["no_source"] = _error(lambda: FSDPEngine(_meta(folder), device="cpu"))
     out["source_for_real_model"] = _error(lambda: FSDPEngine(ref, device="cpu", weights=folder))
