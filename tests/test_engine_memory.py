@@ -60,3 +60,5 @@ def test_meta_model_sources_and_refusals(results):
         # an NCCL world's control flow on gloo: agreements on gloo twins over the same ranks
         assert r["twins"] == [("gloo", [0, 1], True), ("gloo", [0, 1], True)]
         assert r["twin_step"] == ("same", (1, 16, 1, 4, 4), True)
+    assert "failed on rank 1" in results[0]["one_rank_fails"]
+    assert "no safetensors" in results[1]["one_rank_fails"]

@@ -29,10 +29,10 @@ from ..mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
 from .consistency import SPDivergenceError, verify_sp_consistency
-from .model_setup import add_lora, check_cp_plan, control_groups
+from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
 from .settings import EngineSettings, LoraSettings, OptimSettings
 from .step_agreement import StepError, agree_step, batch_size_of, unpack_loss
-from .weights import WeightsError, materialize, on_meta
+from .weights import WeightsError, on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,13 @@ class FSDPEngine:
         # block's full weights, then only its shard, stay there); a meta model is materialised shard by shard.
         self.sharded = bool(s.use_fsdp and distributed and dims.world > 1)
         meta = on_meta(model)
+        if s.weights is not None and not meta:
+            source = type(s.weights).__name__ if isinstance(s.weights, dict) else repr(s.weights)
+            raise WeightsError(
+                f"EngineSettings.weights={source} is for a model built on meta, and this model's parameters "
+                "already hold values; fix: build the model with sp_diffusers.engine.weights.meta_model (or "
+                "accelerate.init_empty_weights), or drop weights="
+            )
         if not (self.sharded or meta):
             model = model.to(self.device)  # replicas: every rank holds the whole model anyway
         if s.lora is not None:
@@ -130,13 +137,7 @@ class FSDPEngine:
         elif s.mixed_precision == "bf16":
             model.to(torch.bfloat16)  # on meta this costs nothing: the values then load in bf16
         if meta:
-            materialize(model, self.device, s.weights, s.lora)
-        elif s.weights is not None:
-            raise WeightsError(
-                f"EngineSettings.weights={s.weights!r} is for a model built on meta, and this model's parameters "
-                "already hold values; fix: build the model with sp_diffusers.engine.weights.meta_model (or "
-                "accelerate.init_empty_weights), or drop weights="
-            )
+            materialize_everywhere(model, self.device, s.weights, s.lora, self.control_group)
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:

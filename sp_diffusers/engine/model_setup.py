@@ -11,8 +11,9 @@ import torch.distributed as dist
 from ..devices import host_subgroups, needs_host_groups
 from ..mesh import ParallelDims
 from .settings import LoraSettings
+from .weights import WeightsError, materialize
 
-__all__ = ["add_lora", "check_cp_plan", "control_groups"]
+__all__ = ["add_lora", "check_cp_plan", "control_groups", "materialize_everywhere"]
 
 
 def check_cp_plan(model: torch.nn.Module) -> None:
@@ -51,3 +52,24 @@ def control_groups(dims: ParallelDims, sp_group: Any) -> tuple[Any, Any]:
     world = host_subgroups([range(dims.world)])
     sp_blocks = [range(d * dims.sp, (d + 1) * dims.sp) for d in range(dims.dp)]  # the mesh's SP groups
     return world, host_subgroups(sp_blocks) if dims.sp > 1 else None
+
+
+def materialize_everywhere(
+    model: torch.nn.Module, device: torch.device, source: Any, lora: LoraSettings | None, group: Any
+) -> None:
+    """``weights.materialize`` on every rank; a failure on any rank (a file one rank cannot read) raises on
+    all of them, so that no rank is left waiting in the next collective."""
+    error: Exception | None = None
+    try:
+        materialize(model, device, source, lora)
+    except Exception as err:  # shared below, then raised everywhere
+        error = err
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        texts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(texts, f"{type(error).__name__}: {error}" if error else None, group=group)
+        failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
+        if failed and error is None:
+            rank, text = failed[0]
+            raise WeightsError(f"loading EngineSettings.weights failed on rank {rank}: {text}")
+    if error is not None:
+        raise error

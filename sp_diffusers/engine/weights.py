@@ -69,7 +69,7 @@ def materialize(
         )
     if not (isinstance(source, (str, os.PathLike, dict)) or callable(source)):
         raise WeightsError(
-            f"EngineSettings.weights={source!r} is not a path, a state dict, a callable or 'empty'"
+            f"EngineSettings.weights={type(source).__name__} is not a path, a state dict, a callable or 'empty'"
         )
     # references, not copies: to_empty replaces the module's tensors, these keep the old storage alive
     # (non-persistent buffers too: a RoPE table is in no state dict and no checkpoint)

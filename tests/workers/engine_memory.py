@@ -146,6 +146,8 @@ def build_checks(rank: int, world: int, folder: str) -> dict[str, Any]:
     out["no_source"] = _error(lambda: FSDPEngine(_meta(folder), device="cpu"))
     out["source_for_real_model"] = _error(lambda: FSDPEngine(ref, device="cpu", weights=folder))
     out["wrong_folder"] = _error(lambda: FSDPEngine(_meta(folder), device="cpu", weights=folder + "/nothing"))
+    mine = folder if rank == 0 else folder + "/nothing"  # one rank cannot read its source: every rank raises
+    out["one_rank_fails"] = _error(lambda: FSDPEngine(_meta(folder), device="cpu", weights=mine))
     return out
 
 
