@@ -133,7 +133,7 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     from diffusers import WanPipeline
 
     from sp_diffusers.engine import FSDPEngine
-    from sp_diffusers.flowgrpo.build import engine_settings, run_schedule
+    from sp_diffusers.flowgrpo.build import run_schedule
     from sp_diffusers.flowgrpo.experts import (
         ExpertEngines,
         FrozenExpert,
@@ -157,7 +157,7 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     c.model.pipeline, c.model.frames, c.flowgrpo.num_steps = str(folders["wan2.2"]), 2, 6
     c.parallel.ulysses_sequence_parallel_size, c.flowgrpo.window_range = 1, [0, 5]
     resolve_pipeline(c)
-    engines = build_engines(c, None, FSDPEngine, engine_settings(c))
+    engines = build_engines(c, None, FSDPEngine)
     assert isinstance(engines, ExpertEngines) and set(engines.trained) == {"transformer", "transformer_2"}
     engines.bind_schedule(run_schedule(c, build_adapter(engines.model, 8, True, 2, 16)).timesteps)
     assert engines.route == order  # WanPipeline: timestep >= 0.875 x 1000 -> transformer, else transformer_2
@@ -170,7 +170,7 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     assert batch["window_start"] == again["window_start"]
 
     c.model.experts = ["transformer_2"]
-    low_only = build_engines(c, None, FSDPEngine, engine_settings(c))
+    low_only = build_engines(c, None, FSDPEngine)
     low_only.bind_schedule(torch.tensor([999.0, 900.0, 500.0, 100.0]))
     assert isinstance(low_only.experts["transformer"], FrozenExpert) and list(low_only.trained) == ["transformer_2"]
     assert low_only.trainable_steps() == [2, 3]
@@ -186,4 +186,4 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
         check_expert_steps(low_only, c)
     c.model.experts = ["transformer_3"]
     with pytest.raises(ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"):
-        build_engines(c, None, FSDPEngine, engine_settings(c))
+        build_engines(c, None, FSDPEngine)

@@ -3,7 +3,6 @@ schedule, the step rule, and the checks that tie them together (each error names
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,28 +31,37 @@ DANCE_KL = ("verl_omni", "flow_grpo")
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
-    """``model.pretrained`` (a ``save_pretrained`` folder of ``model.kind``'s class), else the tiny model."""
-    from ..model_kinds import model_class
+    """The transformer of ``model.pipeline`` or ``model.pretrained`` (a ``save_pretrained`` folder of
+    ``model.kind``'s class), else the tiny model.
+
+    A pipeline's or pretrained transformer is built with its parameters on ``meta``: nothing is loaded here. The
+    engine shards it first and then each rank reads only its own shards from the folder, in the training dtype
+    (:func:`engine_settings` points ``weights`` there): no rank ever holds the whole model, in any dtype."""
     from ..tiny import tiny_model
+    from .pipeline_io import meta_transformers, transformer_folder
 
     c = config.model
-    if c.pipeline:
-        from .pipeline_io import load_transformers
-
-        return load_transformers(config, ("transformer",))["transformer"]
-    if c.pretrained:
-        if not Path(c.pretrained).exists():
-            raise FileNotFoundError(
-                f"model.pretrained={c.pretrained!r} does not exist (a save_pretrained folder)"
-            )
-        return model_class(c.kind).from_pretrained(c.pretrained)
+    folder = transformer_folder(config)
+    if folder is not None:
+        if not folder.exists():
+            key = "model.pipeline" if c.pipeline else "model.pretrained"
+            raise FileNotFoundError(f"{key}: {str(folder)!r} does not exist (a save_pretrained folder)")
+        return meta_transformers(config, ("transformer",))["transformer"]
     return tiny_model(c.kind, seed=c.seed, **c.overrides)
 
 
-def engine_settings(config: TrainConfig) -> EngineSettings:
-    """The ``parallel``, ``optim`` and ``lora`` sections as the engine's settings."""
+def engine_settings(
+    config: TrainConfig, model: torch.nn.Module | None = None, name: str = "transformer"
+) -> EngineSettings:
+    """The ``parallel``, ``optim`` and ``lora`` sections as the engine's settings; for a ``model`` built on meta
+    (:func:`build_model`, a pipeline's transformer ``name``), ``weights`` = its folder (each rank loads its shards
+    after sharding)."""
+    from ..engine.weights import on_meta
+    from .pipeline_io import transformer_folder
+
     p, o, lora = config.parallel, config.optim, config.lora
     return EngineSettings(
+        weights=transformer_folder(config, name) if model is not None and on_meta(model) else None,
         ulysses_sequence_parallel_size=p.ulysses_sequence_parallel_size,
         ring_degree=p.ring_degree,
         optim=OptimSettings(

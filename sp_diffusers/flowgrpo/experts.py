@@ -130,10 +130,12 @@ def route(engine: Any, step: int | None) -> Any:
     return engine.for_step(step) if step is not None and isinstance(engine, ExpertEngines) else engine
 
 
-def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: Any, settings: Any) -> Any:
-    """One ``FSDPEngine`` (``model``, else ``build_model``), or, for a two-expert Wan2.2 pipeline, ``ExpertEngines``."""
-    from .build import build_model
-    from .pipeline_io import boundary_ratio, expert_names, load_transformers
+def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: Any) -> Any:
+    """One ``factory(model, settings)`` engine (``model``, else ``build_model``), or, for a two-expert Wan2.2
+    pipeline, ``ExpertEngines``: each trained expert built on meta and loaded shard by shard by its engine, a
+    frozen one loaded whole in the training dtype."""
+    from .build import build_model, engine_settings
+    from .pipeline_io import boundary_ratio, expert_names, load_transformers, meta_transformers
 
     names = expert_names(config) if model is None else ("transformer",)
     chosen = list(config.model.experts) or list(names)
@@ -144,12 +146,15 @@ def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: A
             "subset of them (Wan2.2: transformer = high noise, transformer_2 = low noise), or [] for all"
         )
     if len(names) == 1:
-        return factory(model if model is not None else build_model(config), settings)
+        model = model if model is not None else build_model(config)
+        return factory(model, engine_settings(config, model))
     ratio = boundary_ratio(config)
     if ratio is None:
         raise ConfigError(f"model.pipeline={config.model.pipeline!r} has two transformers but no boundary_ratio")
-    models = load_transformers(config, names)
-    engines: dict[str, Any] = {n: factory(models[n], settings) for n in names if n in chosen}
+    trained = meta_transformers(config, tuple(n for n in names if n in chosen))
+    engines: dict[str, Any] = {n: factory(m, engine_settings(config, m, n)) for n, m in trained.items()}
+    frozen = tuple(n for n in names if n not in chosen)
+    models = load_transformers(config, frozen) if frozen else {}
     first = next(iter(engines.values()))
     experts = {n: engines.get(n) or FrozenExpert(models[n], first) for n in names}
     return ExpertEngines(experts, ratio * 1000.0)

@@ -75,14 +75,15 @@ def _step_dir(root: Path, step: int | None) -> Path:
 
 
 def _fresh_model(config: TrainConfig, name: str) -> torch.nn.Module:
+    """The untrained transformer ``name``, real and whole (export writes whole files from one process)."""
+    from ..model_kinds import model_class
     from ..tiny import tiny_model
-    from .build import build_model
-    from .pipeline_io import load_transformers
+    from .pipeline_io import from_pretrained, load_transformers, param_dtype
 
     if config.model.pipeline:
         return load_transformers(config, (name,))[name]
     if config.model.pretrained:
-        return build_model(config)
+        return from_pretrained(model_class(config.model.kind), config.model.pretrained, torch_dtype=param_dtype(config))
     return tiny_model(config.model.kind, seed=config.model.seed, **config.model.overrides)
 
 

@@ -26,9 +26,11 @@ __all__ = [
     "from_pretrained",
     "load_transformers",
     "load_vae",
+    "meta_transformers",
     "param_dtype",
     "read_index",
     "resolve_pipeline",
+    "transformer_folder",
 ]
 
 # pipeline class -> model.kind (the families with a trainer adapter)
@@ -115,6 +117,24 @@ def from_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
         return cls.from_pretrained(path, **kwargs)
+
+
+def transformer_folder(config: TrainConfig, name: str = "transformer") -> Path | None:
+    """Where transformer ``name``'s weights lie: the pipeline's subfolder, or ``model.pretrained`` (None: neither)."""
+    if config.model.pipeline:
+        return Path(config.model.pipeline) / name
+    return Path(config.model.pretrained) if config.model.pretrained else None
+
+
+def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """``{name: transformer}`` built from each folder's config with its parameters on ``meta``, in the training
+    dtype: nothing is read or allocated here; the engine shards each one and then loads only its own rows
+    (``engine_settings`` points ``weights`` at :func:`transformer_folder`)."""
+    from ..engine.weights import meta_model
+    from ..model_kinds import model_class
+
+    cls = model_class(config.model.kind)
+    return {n: meta_model(cls, transformer_folder(config, n)).to(param_dtype(config)) for n in names}
 
 
 def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:

@@ -28,13 +28,14 @@ pipeline hands it to the transformer (Qwen-Image divides by 1000).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..devices import to_device
 from ..scheduler_configs import SCHEDULER_DEFAULTS
 from .schedule import qwenimage_mu
 
@@ -55,10 +56,24 @@ class Schedule:
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     source: str
+    _copies: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_steps(self) -> int:
         return int(self.timesteps.numel())
+
+    def on(self, device: torch.device) -> Schedule:
+        """This schedule with ``sigmas`` and ``timesteps`` on ``device``, copied once (queued, no host sync) and
+        kept: a denoising loop indexes it there instead of copying a step's value from the host each time.
+        Read numbers (``float(sigmas[i])``) from the CPU schedule itself: on an accelerator that is a sync."""
+        device = torch.device(device)
+        if device == self.sigmas.device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = Schedule(
+                to_device(self.sigmas, device), to_device(self.timesteps, device), self.source
+            )
+        return self._copies[device]
 
 
 _SUPPORTED_CLASSES = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")

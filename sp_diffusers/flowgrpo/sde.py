@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import to_device
+
 __all__ = ["SDEStep", "ode_step", "sde_step_with_logprob"]
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
@@ -56,7 +58,10 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _per_sample(value: Sigma, name: str, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A python float, 0-d tensor or ``[B]`` tensor as a ``[B, 1, ..., 1]`` tensor that broadcasts over ``sample``."""
     batch = sample.shape[0]
-    t = torch.as_tensor(value, dtype=dtype, device=sample.device)
+    if not isinstance(value, torch.Tensor):
+        # filled on the device: a Python number through torch.as_tensor would be a blocking host-to-device copy
+        return torch.full((batch, *([1] * (sample.ndim - 1))), value, dtype=dtype, device=sample.device)
+    t = to_device(value, sample.device).to(dtype)
     if t.ndim == 0:
         t = t.expand(batch)
     elif t.shape != (batch,):
@@ -166,7 +171,7 @@ def sde_step_with_logprob(
     if prev_sample is None:
         noise_device = generator.device if generator is not None else sample.device
         eps = torch.randn(sample.shape, generator=generator, dtype=dtype, device=noise_device)
-        x_prev = mean + scale * eps.to(sample.device)
+        x_prev = mean + scale * to_device(eps, sample.device)
     else:
         x_prev = prev_sample.to(dtype)
 

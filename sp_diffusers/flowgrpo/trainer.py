@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import collective_device, fetch_scalars, to_device
 from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
@@ -37,7 +38,6 @@ from .build import (
     build_text_encoder,
     check_algorithm,
     check_run,
-    engine_settings,
     run_schedule,
     step_rule,
 )
@@ -94,7 +94,7 @@ class FlowGRPOTrainer:
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # one engine, or Wan2.2's two experts (experts.py)
-        self.engine = build_engines(c, model, engine_factory or FSDPEngine, engine_settings(c))
+        self.engine = build_engines(c, model, engine_factory or FSDPEngine)
         self.text_encoder = build_text_encoder(c, self.engine.device)
         self.adapter = build_adapter(
             self.engine.model,
@@ -235,9 +235,11 @@ class FlowGRPOTrainer:
                     ],
                     dim=1,
                 )
-        all_groups = self._gather_dp(batch["group_ids"].cpu())
+        # rewards, advantages and their statistics stay on the device (read once, below)
+        device = traj.latents.device
+        all_groups = self._gather_dp(to_device(batch["group_ids"], device))
         # the total and each reward in one gather: [B, 1 + R]
-        table = self._gather_dp(torch.stack([rewards, *per_reward.values()], dim=1))
+        table = self._gather_dp(to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))
         all_rewards = table[:, 0].contiguous()
         # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
         advantages_all = group_advantages(
@@ -260,32 +262,30 @@ class FlowGRPOTrainer:
                 batch["shuffle_seed"] + 1,
             )
         stats = {
-            "reward_mean": all_rewards.mean().item(),
-            "reward_std": all_rewards.std(correction=0).item(),
-            "zero_advantage_fraction": (advantages_all == 0).double().mean().item(),
+            "reward_mean": all_rewards.mean(),
+            "reward_std": all_rewards.std(correction=0),
+            "zero_advantage_fraction": (advantages_all == 0).double().mean(),
         }
         if len(per_reward) > 1 or (per_reward and self.config.flowgrpo.rewards):
-            stats.update({f"reward/{name}": table[:, 1 + j].mean().item() for j, name in enumerate(per_reward)})
-        return traj, advantages.to(traj.latents.device), old_log_probs.detach(), stats
+            stats.update({f"reward/{name}": table[:, 1 + j].mean() for j, name in enumerate(per_reward)})
+        return traj, advantages, old_log_probs.detach(), fetch_scalars(stats)
 
     def score(self, final: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The total reward ``[B]`` (CPU float32) of the final latents and each reward's scores (``reward_scoring``;
-        split over the SP group, identical on its ranks)."""
+        """The total reward ``[B]`` (float32) of the final latents and each reward's scores (``reward_scoring``;
+        split over the SP group, identical on its ranks), on the latents' device."""
         if self.reward is not None:
-            return self.reward(self.adapter.reward_view(final), batch["prompts"]).float().cpu(), {}
-        return self.rewards(final, batch["prompts"], batch.get("metadata"))
+            return self.reward(self.adapter.reward_view(final), batch["prompts"]).float(), {}
+        total, each = self.rewards(final, batch["prompts"], batch.get("metadata"))
+        return to_device(total, final.device), to_device(each, final.device)
 
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.engine.dp_group is None or self.engine.dp_size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.engine.dp_size)]
-        if dist.get_backend(self.engine.dp_group) == "nccl":
-            parts = [p.cuda() for p in parts]
-            dist.all_gather(parts, t.cuda(), group=self.engine.dp_group)
-            parts = [p.cpu() for p in parts]
-        else:
-            dist.all_gather(parts, t, group=self.engine.dp_group)
-        return torch.cat(parts)
+        group = self.engine.dp_group
+        mine = to_device(t, collective_device(group))
+        gathered = mine.new_empty((self.engine.dp_size * mine.shape[0], *mine.shape[1:]))  # rank-major
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        return to_device(gathered, t.device)
 
     def update(
         self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..devices import fetch_scalars, to_device
 from ..engine import FSDPEngine
 from .config import FlowGRPOConfig
 from .experts import route
@@ -109,9 +110,10 @@ def policy_update(
     metrics (grad norm, lr). ``old_log_probs`` is ``[B, T]``, aligned with ``traj.steps()``."""
     if indices is None:
         indices = torch.arange(traj.latents.shape[0])
-    indices = indices.cpu()
+    indices = indices.cpu()  # host indices (from the host-side selection): shuffled and cut on the host
+    device = traj.latents.device
     num_trained = traj.steps().shape[1]
-    sums: dict[str, float] = {}
+    sums: dict[str, Any] = {}  # on the device: read once, at the end
     count = 0
     optim_metrics: dict[str, float] = {}
     for epoch in range(g.inner_epochs if indices.numel() else 0):
@@ -123,7 +125,7 @@ def policy_update(
             normalizer = float(len(micros) * num_trained)
             engine.zero_grad()
             for micro in micros:
-                idx = micro.to(traj.latents.device)
+                idx = to_device(micro, device)
                 cond = cond_of(idx)
                 for k in range(num_trained):
                     loss_fn = functools.partial(
@@ -142,11 +144,11 @@ def policy_update(
                     )
                     # two experts: the one that runs this step (the same on every rank: experts.py)
                     for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():
-                        if isinstance(value, float):
+                        if isinstance(value, float) or (torch.is_tensor(value) and value.numel() == 1):
                             sums[key] = sums.get(key, 0.0) + value
                     count += 1
-            optim_metrics = engine.optimizer_step()
-    out = {k: v / max(1, count) for k, v in sums.items()}
+            optim_metrics = engine.optimizer_step()  # one read per optimizer step: the gradient norm
+    out = fetch_scalars({k: v / max(1, count) for k, v in sums.items()})  # and one for the update's metrics
     out.update(optim_metrics)
     out["trained_samples"] = float(indices.numel())
     return out
