@@ -127,14 +127,14 @@ def transformer_folder(config: TrainConfig, name: str = "transformer") -> Path |
 
 
 def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, torch.nn.Module]:
-    """``{name: transformer}`` built from each folder's config with its parameters on ``meta``, in the training
-    dtype: nothing is read or allocated here; the engine shards each one and then loads only its own rows
-    (``engine_settings`` points ``weights`` at :func:`transformer_folder`)."""
+    """``{name: transformer}`` built from each folder's config with its parameters on ``meta``: nothing is read or
+    allocated here; the engine shards each one and then loads only its own rows, converted to the parameters'
+    dtype shard by shard (``engine_settings`` points ``weights`` at :func:`transformer_folder`)."""
     from ..engine.weights import meta_model
     from ..model_kinds import model_class
 
     cls = model_class(config.model.kind)
-    return {n: meta_model(cls, transformer_folder(config, n)).to(param_dtype(config)) for n in names}
+    return {n: meta_model(cls, transformer_folder(config, n)) for n in names}
 
 
 def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:
