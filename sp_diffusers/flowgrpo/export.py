@@ -92,7 +92,7 @@ def _load_trained(config: TrainConfig, name: str, path: Path) -> torch.nn.Module
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from ..engine import FSDPEngine
+    from ..engine.model_setup import add_lora
     from .build import engine_settings
     from .pipeline_io import param_dtype
 
@@ -101,7 +101,7 @@ def _load_trained(config: TrainConfig, name: str, path: Path) -> torch.nn.Module
         model = model.to(param_dtype(config))
     lora = engine_settings(config).lora
     if lora is not None:
-        FSDPEngine._add_lora(model, lora)
+        add_lora(model, lora)
     meta = read_meta(path)
     same_lora = meta.lora == (lora is not None) and meta.lora_fingerprint in ("", lora_fingerprint(lora))
     if meta.model_fingerprint != model_fingerprint(model) or not same_lora:
