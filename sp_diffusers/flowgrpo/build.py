@@ -45,7 +45,9 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     if folder is not None:
         if not folder.exists():
             key = "model.pipeline" if c.pipeline else "model.pretrained"
-            raise FileNotFoundError(f"{key}: {str(folder)!r} does not exist (a save_pretrained folder)")
+            raise FileNotFoundError(
+                f"{key}={str(folder)!r} does not exist: point {key} at a save_pretrained folder"
+            )
         return meta_transformers(config, ("transformer",))["transformer"]
     return tiny_model(c.kind, seed=c.seed, **c.overrides)
 
