@@ -1,19 +1,24 @@
-"""Pairs of gloo ranks that run one forward of a tiny Flux.2 and exit as a user's script does; rank 1 never reads
-its output. Prints one JSON line: how every rank ended (``"ok"``, ``"exit N"``, ``"signal N"``).
+"""Pairs of gloo ranks that run one forward of a tiny Flux.2 and exit as a user's program does; rank 1 never
+reads its output. Prints one JSON line: per pair, its style, whether the exit hook was on, how each rank ended
+(``"ok"``, ``"exit N"``, ``"signal N"``; SIGABRT is ``"signal 6"``).
 
-    python -m tests.workers.exit_ranks --pairs 8 [--backend native] [--style script|harness] [--no-exit-hook]
+    python -m tests.workers.exit_ranks --pairs 6 --styles script,harness,global --backends ulysses_sdpa,native
+        [--control 2] [--no-exit-hook] [--starve 0]
 
 One parent imports torch and diffusers once and forks every rank (a rank costs its forward, not an import);
-a rank leaves through ``sys.exit``, so the interpreter finalizes as it does at the end of a script.
-``--style script``: the model lives in a function that returns, the process group is never destroyed (the
-usual torchrun script). ``--style harness``: ``destroy_process_group()`` in ``finally``, as diffusers' own
-context-parallel test workers do. ``--no-exit-hook`` removes the hook ``install()`` registers (the state
-before the fix).
+a rank leaves through ``sys.exit``, so the interpreter finalizes as at the end of a script. Styles:
+``script`` - the model lives in a function that returns, the process group is never destroyed (a plain
+torchrun script); ``harness`` - ``destroy_process_group()`` in ``finally`` (diffusers' own context-parallel
+test workers); ``global`` - ``destroy_process_group()``, and the model stays referenced to the end (a
+module-level ``model = ...``). Pair i takes style i mod len(styles) and backend (i // len(styles)) mod
+len(backends). ``--control N`` adds N ``script`` pairs whose ranks remove the hook that ``install()``
+registers (the state before the fix); ``--no-exit-hook`` does so for every pair.
 
-What makes the abort near-certain without the hook: after its forward, rank 1 runs ``--busy-ms`` of pure
-Python with a switch interval longer than that, so it keeps the GIL (a busy host does the same by not
-scheduling the gloo worker); a gloo worker that has to release a finished work then waits for the GIL
-until the interpreter finalizes.
+What makes the abort near-certain without the hook (a loaded host, made repeatable): rank 1 runs on one CPU
+with its gloo worker threads at ``SCHED_IDLE`` (they run only while the main thread is off the CPU) and a
+switch interval longer than its life (the main thread never hands the GIL over on request); after the
+forward it sleeps in a C call that keeps the GIL. A worker that has to release a finished work then waits
+for the GIL until the interpreter finalizes - the state in the core dumps of the diffusers suite.
 """
 
 from __future__ import annotations
@@ -24,15 +29,12 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
-
-_KEPT: list = []  # --style global: the model outlives the run, as a module-level `model = ...` does
+_KEPT: list = []  # style "global": the model outlives the run
 
 
 def _idle_gloo_workers() -> int:
-    """SCHED_IDLE for this process's gloo worker threads: they run only while the main thread is off the CPU
-    (a loaded host, made repeatable). Returns how many there are."""
+    """SCHED_IDLE for this process's gloo worker threads; returns how many there are."""
     n = 0
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/comm") as f:
@@ -42,7 +44,7 @@ def _idle_gloo_workers() -> int:
     return n
 
 
-def _forward(rank: int, args: argparse.Namespace) -> None:
+def _forward(rank: int, style: str, backend: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
@@ -51,37 +53,38 @@ def _forward(rank: int, args: argparse.Namespace) -> None:
 
     model = tiny_model("flux2").eval()
     inputs = tiny_inputs("flux2", model, batch=1, text_len=8, image_hw=(4, 4), ragged_text=False)
-    model.set_attention_backend(args.backend)
+    model.set_attention_backend(backend)
     model.enable_parallelism(config=sp_diffusers.context_parallel_config(ulysses_degree=dist.get_world_size()))
-    if rank == 1 and args.idle_workers and not _idle_gloo_workers():
-        raise RuntimeError("no gloo worker thread found (pt_gloo_runloop)")
+    if rank == 1 and args.starve and not _idle_gloo_workers():
+        raise RuntimeError("no gloo worker thread (pt_gloo_runloop) to starve: the reproduction does not apply")
     with torch.no_grad():
         out = model(**inputs, return_dict=False)[0]
     if rank == 0:
         assert torch.isfinite(out).all()  # rank 0 reads its output; rank 1 never does
-    if args.style == "global":
+    if style == "global":
         _KEPT.append(model)
 
 
-def _rank(rank: int, init_file: str, args: argparse.Namespace) -> None:
+def _rank(rank: int, init_file: str, style: str, backend: str, hook: bool, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    if rank == 1 and args.one_cpu:
+    if not hook:
+        from sp_diffusers import exit_hook
+
+        exit_hook.unregister()
+    if rank == 1 and args.starve:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before the gloo threads exist: they inherit it
-    if rank == 1 and args.switch_s:
-        sys.setswitchinterval(args.switch_s)
+        sys.setswitchinterval(60.0)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        _forward(rank, args)
-        if rank == 1 and args.hold_gil_ms:
+        _forward(rank, style, backend, args)
+        if rank == 1 and args.starve:
             import ctypes
 
-            ctypes.PyDLL(None).usleep(int(args.hold_gil_ms * 1000))  # a C call that keeps the GIL
+            ctypes.PyDLL(None).usleep(50_000)  # PyDLL: the call keeps the GIL
     finally:
-        if args.style in ("harness", "global"):
+        if style in ("harness", "global"):
             dist.destroy_process_group()
-        if os.environ.get("EXIT_TRACE"):
-            print(f"[rank {rank}] {time.monotonic():.6f} pid {os.getpid()} leaves", file=sys.stderr, flush=True)
 
 
 def _ended(status: int) -> str:
@@ -93,41 +96,47 @@ def _ended(status: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pairs", type=int, default=8)
-    parser.add_argument("--backend", default="ulysses_sdpa")
-    parser.add_argument("--style", choices=("script", "harness", "global"), default="script")
-    parser.add_argument("--hold-gil-ms", type=float, default=50.0)
-    parser.add_argument("--one-cpu", type=int, default=1)
-    parser.add_argument("--switch-s", type=float, default=10.0)
-    parser.add_argument("--idle-workers", type=int, default=1)
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--styles", default="script", help="comma-separated, used in turn: script,harness,global")
+    parser.add_argument("--style", help="one style (same as --styles STYLE)")
+    parser.add_argument("--control", type=int, default=0, help="extra script pairs without the exit hook")
     parser.add_argument("--no-exit-hook", action="store_true")
+    parser.add_argument("--backends", default="ulysses_sdpa", help="comma-separated: ulysses_sdpa,native")
+    parser.add_argument("--backend", help="one backend (same as --backends BACKEND)")
+    parser.add_argument("--starve", type=int, default=1, help="0: no help for the abort (natural timing)")
     args = parser.parse_args()
+    styles = [args.style] if args.style else args.styles.split(",")
+    backends = [args.backend] if args.backend else args.backends.split(",")
+    plan = [
+        (styles[i % len(styles)], backends[i // len(styles) % len(backends)], not args.no_exit_hook)
+        for i in range(args.pairs)
+    ]
+    plan += [("script", backends[i % len(backends)], False) for i in range(args.control)]
+
+    import resource
 
     import torch
 
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an aborting rank leaves no core file behind
     torch.set_num_threads(1)  # before any fork: no intra-op pool for the children to inherit
     import sp_diffusers
     import sp_diffusers.tiny  # imported once here, not in every rank
 
     sp_diffusers.install()
-    if args.no_exit_hook:
-        from sp_diffusers import exit_hook
-
-        exit_hook.unregister()
 
     # no `with`/`finally` around the forks: a child's sys.exit unwinds through them and would run the
     # parent's cleanup
     tmp = tempfile.mkdtemp(prefix="sp-exit-")
-    ended: list[list[str]] = []
-    for pair in range(args.pairs):
-        init_file = os.path.join(tmp, f"rendezvous-{pair}")
+    pairs = []
+    for i, (style, backend, hook) in enumerate(plan):
+        init_file = os.path.join(tmp, f"rendezvous-{i}")
         pids = []
         for rank in range(2):
             pid = os.fork()
             if pid == 0:
                 code = 0
                 try:
-                    _rank(rank, init_file, args)
+                    _rank(rank, init_file, style, backend, hook, args)
                 except BaseException:
                     import traceback
 
@@ -135,9 +144,10 @@ def main() -> None:
                     code = 1
                 sys.exit(code)  # unwinds to the top: the interpreter finalizes as after a script
             pids.append(pid)
-        ended.append([_ended(os.waitpid(pid, 0)[1]) for pid in pids])
+        ended = [_ended(os.waitpid(p, 0)[1]) for p in pids]
+        pairs.append({"style": style, "backend": backend, "hook": hook, "ended": ended})
     shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({"ended": ended}), flush=True)
+    print(json.dumps({"pairs": pairs}), flush=True)
 
 
 if __name__ == "__main__":
