@@ -37,7 +37,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 import sys
 import threading
 
@@ -56,22 +55,6 @@ def _gloo_only(dist) -> bool:
         return all(str(dist.get_backend(g)) == "gloo" for g in groups)
     except Exception:  # a group torch itself no longer resolves: leave every group to the program
         return False
-
-
-def _gloo_workers_alive() -> bool:
-    """Whether a gloo worker thread still runs (Linux names them; elsewhere assume so)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return True
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == "pt_gloo_runloop":
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def _is_gloo(pg) -> bool:
@@ -108,8 +91,7 @@ def _at_exit() -> None:
                 return
             dist.destroy_process_group()
         gc.collect()
-        if _gloo_workers_alive():
-            _forget_destroyed_groups(dist)
+        _forget_destroyed_groups(dist)
     except Exception as exc:  # never turn a finished run into a failed exit
         logger.warning("sp_diffusers exit hook: %s: %s", type(exc).__name__, exc)
 
