@@ -9,27 +9,28 @@ ends the thread with ``pthread_exit``, whose unwinding crosses a ``noexcept`` de
 
 Why a finished work still holds anything: a gloo collective runs on one of the group's worker threads, and
 the caller's ``wait()`` returns as soon as that worker marks the work complete; the worker drops its own
-reference a moment later. Whichever of the two drops last destroys the work, so about half the time it is the
-worker. The work holds the collective's tensors, which came from Python; with torch's PyObject preservation
-(torch 2.13 measured) releasing a tensor that Python also references decrements its PyObject, which needs the
-GIL. While the program runs that costs the worker one GIL hand-off (up to ``sys.getswitchinterval()``, more
-on a busy host); if the main thread reaches ``Py_FinalizeEx`` first, the worker dies holding the destructor.
-No particular collective is at fault (cores show the attention all-to-all and the output all-gather alike),
-so no change to one collective removes it; what removes it is joining the workers while the interpreter is
-whole. Only ``ProcessGroupGloo``'s destructor joins them (its ``shutdown()`` and ``abort()`` do nothing),
-and it runs when the last reference to the group goes, with the GIL released, so a pending worker finishes.
-``destroy_process_group()`` alone does not get there: a model's ``DeviceMesh`` keeps its groups, and a model
-sits in reference cycles (diffusers' hooks), freed only by the collection that ``Py_FinalizeEx`` itself
-runs after finalization has begun - too late.
+reference a moment later. Whichever of the two drops last destroys the work, and on a busy host that is
+often the worker. The work holds the collective's tensors, which came from Python; with torch's PyObject
+preservation (torch 2.13 measured) releasing a tensor that Python also references decrements its PyObject,
+which needs the GIL. While the program runs that costs the worker one GIL hand-off; if the main thread
+reaches ``Py_FinalizeEx`` first, the worker dies in the destructor. No particular collective is at fault
+(cores show the attention all-to-all and the output all-gather alike), so no change to one collective
+removes it; joining the workers while the interpreter is whole does. Only ``ProcessGroupGloo``'s destructor
+joins them (its ``shutdown()`` and ``abort()`` do nothing); it runs when the last reference to the group
+goes, with the GIL released, so a worker still releasing a work takes the GIL and finishes.
+``destroy_process_group()`` alone does not get there: a model's ``DeviceMesh`` keeps its groups
+(``_pg_registry``), and a model sits in reference cycles (diffusers' hooks), freed only by the collection
+that ``Py_FinalizeEx`` itself runs after finalization has begun - too late.
 
 What the hook does (``atexit``, registered by ``sp_diffusers.install()``; atexit callbacks run before
-finalization): if the program left torch.distributed initialized and every group is gloo, it destroys
-the groups (what torch asks every program to do before it exits; gloo's teardown is local, no peer is
-contacted), then collects garbage: every group that nothing live references any more is destructed there,
-its workers joined while they can still take the GIL. A program that already destroyed its groups (torch's
-advice, diffusers' test harness) gets only the collection. NCCL (or mixed) groups are left to the program:
-their teardown may wait on peers. Not covered: a group still referenced at exit (a model kept in a module
-global, a ``ProcessGroup`` held by the program); see docs/troubleshooting.md.
+finalization): if the program left torch.distributed initialized and every group is gloo, it destroys the
+groups (what torch asks every program to do before it exits; gloo's teardown is local, no peer is
+contacted). It then collects garbage, and drops the references live meshes keep to destroyed gloo groups
+(a destroyed group cannot be used again): every group is destructed there, its workers joined while they
+can still take the GIL. A program that destroyed its groups itself (torch's advice, diffusers' test
+harness) gets the collection and the meshes' part. NCCL (or mixed) groups are left to the program: their
+teardown may wait on peers. Not covered: a ``ProcessGroup`` object the program itself still references at
+exit (e.g. ``group = dist.new_group(...)`` in a module global); docs/troubleshooting.md says what to do.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _forget_destroyed_groups(dist) -> None:
     live = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None) or {}
     for obj in gc.get_objects():
         if issubclass(type(obj), mesh_cls):  # type(), not isinstance: no lazy proxy is touched
-            registry = obj.__dict__.get("_pg_registry")
+            registry = getattr(obj, "__dict__", {}).get("_pg_registry")
             if isinstance(registry, dict):
                 for name in [n for n, pg in registry.items() if pg not in live and _is_gloo(pg)]:
                     del registry[name]  # the last reference: the group's destructor joins its workers

@@ -17,7 +17,8 @@ What makes the abort near-certain without the hook (a loaded host, made repeatab
 with its gloo worker threads at ``SCHED_IDLE`` (they run only while the main thread is off the CPU) and a
 switch interval longer than its life (the main thread never hands the GIL over on request); after the
 forward it sleeps in a C call that keeps the GIL. A worker that has to release a finished work then waits
-for the GIL until the interpreter finalizes - the state in the core dumps of the diffusers suite.
+for the GIL until the interpreter finalizes - the state in the core dumps of the diffusers suite. (It is
+the worker's turn to release in about half the pairs: docs/reliability.md has the rates.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import tempfile
 import time
 
 _KEPT: list = []  # style "global": the model outlives the run
+
 
 
 def _threads() -> set[int]:
