@@ -22,8 +22,8 @@ from sp_diffusers.flowgrpo.pipeline_schedule import (
     load_scheduler_config,
     pipeline_schedule,
 )
+from sp_diffusers.flowgrpo.sde import StepRule, cps_step_with_logprob, dance_step_with_logprob
 from sp_diffusers.flowgrpo.selection import kept_samples
-from sp_diffusers.flowgrpo.steps import StepRule, cps_step_with_logprob, dance_step_with_logprob
 
 F64 = 1e-10
 

@@ -18,7 +18,7 @@ import torch
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 from sp_diffusers.flowgrpo.loss import flowgrpo_loss
 from sp_diffusers.flowgrpo.pipeline_schedule import linspace_schedule
-from sp_diffusers.flowgrpo.steps import StepRule
+from sp_diffusers.flowgrpo.sde import StepRule
 from sp_diffusers.flowgrpo.update import kl_std
 
 

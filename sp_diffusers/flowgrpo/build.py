@@ -10,7 +10,7 @@ import torch
 from ..engine import EngineSettings, LoraSettings, OptimSettings
 from .config import ConfigError, TrainConfig
 from .pipeline_schedule import Schedule, linspace_schedule, load_scheduler_config, pipeline_schedule
-from .steps import StepRule
+from .sde import StepRule
 from .text import ByteTextEncoder, PipelineTextEncoder, UMT5TextEncoder
 
 __all__ = [

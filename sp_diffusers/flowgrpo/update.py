@@ -25,7 +25,7 @@ from .experts import route
 from .loss import flowgrpo_loss
 from .pipeline_schedule import Schedule
 from .rollout import Trajectory, evaluate_window_step
-from .steps import StepRule
+from .sde import StepRule
 
 __all__ = ["kl_std", "policy_update", "window_step_loss"]
 
