@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..devices import to_device
 from ..padding import pad_text_batch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .fsdp_engine import FSDPEngine
+from .protocols import BatchOwner
 
 __all__ = ["TEXT_KEYS", "broadcast_in_sp_group", "prepare_batch"]
 
@@ -21,7 +19,7 @@ TEXT_KEYS = (
 )
 
 
-def prepare_batch(engine: FSDPEngine, batch: dict[str, Any]) -> dict[str, Any]:
+def prepare_batch(engine: BatchOwner, batch: dict[str, Any]) -> dict[str, Any]:
     """Dense, on-device, identical on every SP rank (see ``FSDPEngine.prepare_batch``)."""
     multiple = engine.sp_size if engine.settings.pad_text_to_degree else 1
     # on the device first (lists of ragged tensors too), so padding runs there and makes nothing on the CPU
@@ -34,7 +32,7 @@ def prepare_batch(engine: FSDPEngine, batch: dict[str, Any]) -> dict[str, Any]:
     return broadcast_in_sp_group(engine, out)
 
 
-def broadcast_in_sp_group(engine: FSDPEngine, tensors: dict[str, Any]) -> dict[str, Any]:
+def broadcast_in_sp_group(engine: BatchOwner, tensors: dict[str, Any]) -> dict[str, Any]:
     """Every tensor (and list of tensors) as the SP group's first rank has it, on the engine's device.
 
     The description (keys, shapes, dtypes, plain values) goes over the SP group's host-side group (gloo: no

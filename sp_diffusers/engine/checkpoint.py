@@ -22,7 +22,7 @@ import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -46,9 +46,7 @@ from .checkpoint_files import (
     write_latest,
     write_meta,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .fsdp_engine import FSDPEngine
+from .protocols import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +68,14 @@ def _failure(fn: Any) -> str | None:
     return None
 
 
-def _state(engine: FSDPEngine) -> dict[str, Any]:
+def _state(engine: TrainState) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def engine_meta(engine: FSDPEngine, step: int) -> CheckpointMeta:
+def engine_meta(engine: TrainState, step: int) -> CheckpointMeta:
     layout = engine.layout
     return CheckpointMeta(
         step=step,
@@ -92,7 +90,7 @@ def engine_meta(engine: FSDPEngine, step: int) -> CheckpointMeta:
 
 
 def save_checkpoint(
-    engine: FSDPEngine, root: str | os.PathLike, step: int | None = None, extra: dict | None = None
+    engine: TrainState, root: str | os.PathLike, step: int | None = None, extra: dict | None = None
 ) -> Path:
     """Write ``root/step-XXXXXXXX`` atomically (tmp folder, then rename) and point ``latest`` at it."""
     import torch.distributed.checkpoint as dcp
@@ -142,7 +140,7 @@ def _layout_text(m: CheckpointMeta) -> str:
     return f"dp={m.dp} x ring={m.ring} x ulysses={m.ulysses}"
 
 
-def _check(engine: FSDPEngine, path: Path, meta: CheckpointMeta, stored: dict) -> str | None:
+def _check(engine: TrainState, path: Path, meta: CheckpointMeta, stored: dict) -> str | None:
     """Why ``path`` cannot load into ``engine`` (None: it can), from metadata only: nothing changes."""
     mine = engine_meta(engine, meta.step)
     for name in ("model_class", "model_fingerprint", "lora"):
@@ -208,7 +206,7 @@ def _restore(model_state: dict[str, Any], backup: dict[str, torch.Tensor]) -> No
             _local(model_state[key]).copy_(value)
 
 
-def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(engine: TrainState, path: str | os.PathLike) -> dict[str, Any]:
     """Load ``path`` (a step folder, or a root whose ``latest`` names one) into ``engine``; returns ``extra``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

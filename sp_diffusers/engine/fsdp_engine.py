@@ -17,7 +17,6 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from . import batch as batches
 from . import checkpoint as ckpt
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
+from .protocols import EngineLayout
 from .settings import EngineSettings, LoraSettings, OptimSettings
 from .step_agreement import StepError, agree_step, batch_size_of, unpack_loss
 from .weights import WeightsError, on_meta
@@ -39,17 +39,6 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[["FSDPEngine", dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 __all__ = ["EngineSettings", "FSDPEngine", "LoraSettings", "OptimSettings", "SPDivergenceError", "StepError"]
-
-
-@dataclass
-class _Layout:
-    world: int
-    dp: int
-    ring: int
-    ulysses: int
-    rank: int
-    dp_rank: int = 0
-    sp_rank: int = 0
 
 
 class FSDPEngine:
@@ -87,7 +76,7 @@ class FSDPEngine:
                 "fix: launch with torchrun and init_process_group first"
             )
         dims = ParallelDims.of_process_group(ulysses, ring)
-        self.layout = _Layout(dims.world, dims.dp, ring, ulysses, dist.get_rank() if distributed else 0)
+        self.layout = EngineLayout(dims.world, dims.dp, ring, ulysses, dist.get_rank() if distributed else 0)
 
         sp_diffusers.install()
         self.device = torch.device(s.device) if s.device is not None else default_device()

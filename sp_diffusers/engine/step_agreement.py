@@ -10,15 +10,13 @@ process-group timeout; and a mean of per-rank means over unequal batches is not 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..devices import collective_device
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .fsdp_engine import FSDPEngine
+from .protocols import StepRunner
 
 __all__ = ["StepError", "agree_step", "batch_size_of", "unpack_loss"]
 
@@ -68,7 +66,7 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
-def agree_step(engine: FSDPEngine, failure: BaseException | None, num_samples: int | None) -> float:
+def agree_step(engine: StepRunner, failure: BaseException | None, num_samples: int | None) -> float:
     """Share ``failure`` and ``num_samples`` with every rank; raise everywhere if any rank failed, else
     return this rank's loss weight ``n_local * dp / n_total`` (1.0 for equal or unknown counts)."""
     layout = engine.layout
