@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .comm import gather_seq, heads_to_seq, seq_to_heads
 from .cp_groups import CPGroups, cp_groups
 from .handshake import SPCallMismatch, agree
+from .kernels import fused_attention, kernel_for
 from .masks import MaskError, classify, key_padding_to_4d, prepare_mask
 from .ring import ring_attention
 
@@ -55,12 +56,26 @@ def local_sdpa_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Plain SDPA on ``[B, S, H, D]`` tensors with diffusers' mask conventions (the single-process path)."""
+    """SDPA on ``[B, S, H, D]`` tensors with diffusers' mask conventions (the single-process path).
+
+    On CUDA (and on ``meta``, its stand-in when tracing) it runs the fused kernels explicitly
+    (``sp_diffusers.kernels``): never SDPA's math fallback with its score matrix. On CPU it is SDPA itself."""
     if attn_mask is not None:
         try:
             attn_mask = key_padding_to_4d(attn_mask, query.shape[0], (key.shape[1],))
         except MaskError as err:
             raise UlyssesAttentionError(str(err)) from None
+    if kernel_for(query, attn_mask is not None) in ("flash", "efficient"):
+        out = fused_attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask,
+            scale,
+            is_causal,
+            dropout_p,
+        )
+        return out.transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
