@@ -250,7 +250,9 @@ def attention_backward(
 def _causal_bias(q_len: int, k_len: int, like: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(q_len, device=like.device)[:, None]
     cols = torch.arange(k_len, device=like.device)[None, :]
-    return torch.zeros((q_len, k_len), dtype=like.dtype, device=like.device).masked_fill_(cols > rows, _NEG_INF)
+    return torch.zeros((q_len, k_len), dtype=like.dtype, device=like.device).masked_fill_(
+        cols > rows, _NEG_INF
+    )
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
