@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 from .comm import gather_seq, heads_to_seq, seq_to_heads
 from .cp_groups import CPGroups, cp_groups
-from .handshake import SPCallMismatch, agree
+from .forward_scope import current as current_scope
+from .forward_scope import remember, remembered, replay
+from .handshake import CallLayout, SPCallMismatch, agree
 from .kernels import fused_attention, kernel_for
 from .masks import MaskError, classify, key_padding_to_4d, prepare_mask
 from .ring import ring_attention
@@ -164,7 +166,9 @@ def ulysses_sdpa_attention(
         return local_sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     error = _local_error(query, key, value, attn_mask, is_causal, groups.ulysses)
     try:
-        layout = agree(query, key, attn_mask, is_causal, dropout_p, scale, error, groups.cp_group)
+        layout = _call_layout(
+            query, key, attn_mask, is_causal, dropout_p, scale, error, groups, _parallel_config
+        )
         form = None
         if layout.mask_shapes is not None:
             form = classify(
@@ -175,6 +179,70 @@ def ulysses_sdpa_attention(
     if query.shape[0] == 0:  # an empty batch on every rank (the handshake checked): nothing to exchange
         return local_sdpa_attention(query, key, value, None, dropout_p, False, scale, enable_gqa)
     return _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups, layout)
+
+
+def _call_layout(query, key, attn_mask, is_causal, dropout_p, scale, error, groups: CPGroups, config):
+    """Every rank's lengths (and mask shapes) for this call: from the model forward's scope where it knows them
+    (no communication), else from the per-call handshake (``sp_diffusers.forward_scope`` says when, and why
+    every rank decides alike)."""
+    scope = current_scope(config)
+    mask_shape = tuple(attn_mask.shape) if attn_mask is not None else None
+    local = (query.shape[1], key.shape[1], mask_shape) if query.dim() == 4 and key.dim() == 4 else None
+
+    def handshake() -> CallLayout:
+        return agree(query, key, attn_mask, is_causal, dropout_p, scale, error, groups.cp_group)
+
+    if scope is None:  # outside a model forward: a direct call, or a call recomputed in backward
+        found = replay(config, "attention", CallLayout.view, local) if error is None else None
+        return found or handshake()
+    key_of_call = None if scope.even else scope.next_call("attention")
+    if scope.mode == "per_call":
+        layout = handshake()
+        _check_inferred(scope, layout, key_of_call)
+    elif error is not None:
+        # the scope's inputs were agreed (or trusted), so every rank reaches this same error here
+        raise UlyssesAttentionError(f"ulysses_sdpa: {error}")
+    elif key_of_call is None:
+        world = groups.world
+        layout = CallLayout(
+            (local[0],) * world, (local[1],) * world, None if mask_shape is None else (mask_shape,) * world
+        )
+    else:
+        layout = remembered(key_of_call)
+        if layout is None:
+            layout = handshake()
+            remember(key_of_call, layout)
+        elif layout.view(groups.cp_rank) != local:
+            raise UlyssesAttentionError(
+                f"ulysses_sdpa: this call's local lengths and mask {local} differ from those of the same call in an "
+                f"earlier forward with the same input shapes ({layout.view(groups.cp_rank)}): the model's attention "
+                "lengths depend on more than its input shapes and split lengths. Fix: "
+                "sp_diffusers.set_rank_agreement(model, 'per_call') (debug_checks) for this model"
+            )
+    scope.add("attention", layout)
+    return layout
+
+
+def _check_inferred(scope, layout: CallLayout, key_of_call) -> None:
+    """``debug_checks``: the handshake's table against what the scope would have used (every rank sees the same
+    table and the same scope, so every rank raises alike)."""
+    if key_of_call is None:
+        uniform = len(set(layout.q_sizes)) == 1 and len(set(layout.kv_sizes)) == 1
+        if not uniform or (layout.mask_shapes is not None and len(set(layout.mask_shapes)) > 1):
+            raise SPCallMismatch(
+                f"ulysses_sdpa: every split of this forward divides the SP degree, yet the ranks' lengths differ "
+                f"(query {list(layout.q_sizes)}, key {list(layout.kv_sizes)}): a sequence of this model is neither "
+                "split by the plan nor whole on every rank, which the per-forward scope cannot size without asking. "
+                "Fix: keep sp_diffusers.set_rank_agreement(model, 'per_call') for this model"
+            )
+        return
+    known = remembered(key_of_call)
+    if known is not None and known != layout:
+        raise SPCallMismatch(
+            f"ulysses_sdpa: this call's layout {layout} differs from the same call in an earlier forward with the "
+            f"same input shapes ({known}); fix: keep sp_diffusers.set_rank_agreement(model, 'per_call') for this model"
+        )
+    remember(key_of_call, layout)
 
 
 def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups: CPGroups, layout):
