@@ -34,7 +34,7 @@ from .cp_groups import CPGroups, cp_groups
 from .forward_scope import current as current_scope
 from .forward_scope import remember, remembered, replay
 from .handshake import CallLayout, SPCallMismatch, agree
-from .kernels import fused_attention, kernel_for
+from .kernels import additive_mask, fused_attention, kernel_for
 from .masks import MaskError, classify, key_padding_to_4d, prepare_mask
 from .ring import ring_attention
 
@@ -245,6 +245,19 @@ def _check_inferred(scope, layout: CallLayout, key_of_call) -> None:
     remember(key_of_call, layout)
 
 
+def _key_rows(attn_mask, form, query, kv_sizes, cp_rank) -> torch.Tensor | None:
+    """A key-padding mask at the local key length (``[b, 1, 1, S_kv_local]`` or ``[B, S_kv_local]``) as additive
+    rows ``[B, S_kv_local]`` of the query's dtype, to travel with K/V; None for any other mask (gathered)."""
+    if attn_mask is None or form != ("1", "local"):
+        return None
+    if attn_mask.dtype not in (torch.bool, query.dtype):
+        return None
+    mask = key_padding_to_4d(attn_mask, query.shape[0], (kv_sizes[cp_rank], sum(kv_sizes)))
+    if mask.shape[1] != 1 or mask.shape[2] != 1:
+        return None
+    return additive_mask(mask[:, 0, 0, :], query.dtype).expand(query.shape[0], -1)
+
+
 def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups: CPGroups, layout):
     """The exchange, local SDPA (or the ring) and the exchange back, for inputs every rank agreed on."""
     ulysses, ring = groups.ulysses, groups.ring
@@ -262,7 +275,10 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
         pad = (0, 0, 0, padded_heads - heads)
         query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
 
-    if attn_mask is not None:
+    key_rows = _key_rows(attn_mask, form, query, layout.kv_sizes, cp_rank)
+    if key_rows is not None:
+        attn_mask = None  # a local key-padding mask rides along with K/V: no collective of its own
+    elif attn_mask is not None:
         attn_mask = prepare_mask(
             attn_mask,
             form,
@@ -277,11 +293,22 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             cp_group=groups.cp_group,
         )
 
-    if ulysses > 1:
+    seg_mask = None  # [B, S_segment] additive: the key mask of this ring segment's keys
+    if ulysses > 1 and key_rows is not None:
+        # the mask rows travel as one more "head" per destination, in the K/V block of the same collective
+        rows = key_rows[:, :, None, None].expand(-1, -1, ulysses, 1)
+        q, k, v, rows = seq_to_heads(
+            [query, key, value, rows], group, [q_sizes, kv_sizes, kv_sizes, kv_sizes]
+        )
+        seg_mask = rows[:, :, 0, 0]
+    elif ulysses > 1:
         # [B, S_segment, H/U, D] (K/V: H_kv/U); S_segment = this ring segment's length
         q, k, v = seq_to_heads([query, key, value], group, [q_sizes, kv_sizes, kv_sizes])
     else:
         q, k, v = query, key, value
+        seg_mask = key_rows
+    if seg_mask is not None and ring == 1:
+        attn_mask = seg_mask[:, None, None, :]
     if ring > 1:
         # every ring segment's length, and where this one starts (causal rows are global positions)
         seg_q = [sum(layout.q_sizes[r * ulysses : (r + 1) * ulysses]) for r in range(ring)]
@@ -301,13 +328,17 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             scale=scale,
             kv_sizes=seg_kv if layout.uneven else None,
             q_start=q_start,
+            kv_mask=seg_mask[:, None, None, :] if seg_mask is not None else None,
         ).transpose(1, 2)
     else:
         if ring > 1:
             # Dropout needs one softmax over all keys: all-gather K/V instead of streaming them.
-            k, v = gather_seq(
-                [k, v], groups.ring_group, seg_kv if layout.uneven else None
+            gathered = [k, v] if seg_mask is None else [k, v, seg_mask[:, :, None, None]]
+            k, v, *rows = gather_seq(
+                gathered, groups.ring_group, seg_kv if layout.uneven else None
             )  # [B, S_kv, H/U, D]
+            if rows:
+                attn_mask = rows[0][:, :, 0, 0][:, None, None, :]
             if is_causal:
                 # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at q_start
                 rows = torch.arange(q.shape[1], device=q.device) + q_start

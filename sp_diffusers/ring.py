@@ -96,11 +96,13 @@ class _Ring:
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor) -> list:
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group),
-        ]
+    def start(self, send: torch.Tensor, recv: torch.Tensor, *more: torch.Tensor) -> list:
+        """Send ``send`` on and receive ``recv`` (and each further ``(send, recv)`` pair) in one batch."""
+        ops = []
+        pairs = [(send, recv), *zip(more[::2], more[1::2], strict=True)]
+        for out, into in pairs:
+            ops.append(dist.P2POp(dist.isend, out, self.next, self.group))
+            ops.append(dist.P2POp(dist.irecv, into, self.prev, self.group))
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -122,10 +124,14 @@ class _RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         kv_sizes: list[int] | None,
         q_start: int,
+        kv_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         q_len, kv_len = q.shape[2], k.shape[2]
         mask = additive_mask(mask, q.dtype)
+        # a key mask of this rank's K/V segment travels with it; every segment's is kept for backward (O(S))
+        chunk_masks: list[torch.Tensor | None] = [None] * size
+        travelling = additive_mask(kv_mask, q.dtype).contiguous() if kv_mask is not None else None
         chunks = _Chunks(kv_sizes, size, kv_len)
         ring = _Ring(group)
         kv = torch.stack([k, v])  # one buffer per hop: [2, B, H, S_kv/R, D]
@@ -139,9 +145,20 @@ class _RingAttention(torch.autograd.Function):
             chunk = (rank - step) % size
             if chunks.uneven:
                 spare = chunks.buffer_like(kv, (chunk - 1) % size)
-            requests = ring.start(kv, spare) if step < size - 1 else []
+            pair: tuple[torch.Tensor, ...] = ()
+            if travelling is not None:
+                chunk_masks[chunk] = travelling
+                incoming = travelling.new_empty((*travelling.shape[:-1], chunks.sizes[(chunk - 1) % size]))
+                pair = (travelling, incoming)
+            requests = ring.start(kv, spare, *pair) if step < size - 1 else []
             chunk_mask, causal, visible = _chunk_mask(
-                mask, chunks.starts[chunk], chunks.sizes[chunk], q_start, q_len, is_causal, q
+                mask if travelling is None else travelling,
+                0 if travelling is not None else chunks.starts[chunk],
+                chunks.sizes[chunk],
+                q_start - (chunks.starts[chunk] if travelling is not None else 0),
+                q_len,
+                is_causal,
+                q,
             )
             if visible:
                 o_j, lse_j, _ = attention_forward(q, kv[0], kv[1], chunk_mask, scale, causal)
@@ -153,18 +170,22 @@ class _RingAttention(torch.autograd.Function):
                 lse = new_lse
             _Ring.wait(requests)
             kv, spare = spare, kv
+            if pair:
+                travelling = pair[1]
         # A row that sees no key at all: output 0 (as SDPA's CPU kernels give), lse 0 so backward is finite.
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        kept = [m for m in chunk_masks if m is not None]
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []), *kept)
         ctx.has_mask, ctx.scale, ctx.is_causal, ctx.group = mask is not None, scale, is_causal, group
-        ctx.kv_sizes, ctx.q_start = kv_sizes, q_start
+        ctx.kv_sizes, ctx.q_start, ctx.travelled = kv_sizes, q_start, bool(kept)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse, *rest = ctx.saved_tensors
         mask = rest[0] if ctx.has_mask else None
+        chunk_masks = rest[int(ctx.has_mask) :] if ctx.travelled else None
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         q_len, kv_len = q.shape[2], k.shape[2]
@@ -181,9 +202,20 @@ class _RingAttention(torch.autograd.Function):
                 kv_spare = chunks.buffer_like(kv, (chunk - 1) % size)
                 dkv_spare = chunks.buffer_like(dkv, (chunk - 1) % size)
             requests = ring.start(kv, kv_spare) if step < size - 1 else []
-            chunk_mask, causal, visible = _chunk_mask(
-                mask, chunks.starts[chunk], chunks.sizes[chunk], ctx.q_start, q_len, ctx.is_causal, q
-            )
+            if chunk_masks is not None:  # the segment masks kept in forward: nothing travels again
+                chunk_mask, causal, visible = _chunk_mask(
+                    chunk_masks[chunk],
+                    0,
+                    chunks.sizes[chunk],
+                    ctx.q_start - chunks.starts[chunk],
+                    q_len,
+                    ctx.is_causal,
+                    q,
+                )
+            else:
+                chunk_mask, causal, visible = _chunk_mask(
+                    mask, chunks.starts[chunk], chunks.sizes[chunk], ctx.q_start, q_len, ctx.is_causal, q
+                )
             if visible:
                 dq_j, dk_j, dv_j = attention_backward(
                     dout, q, kv[0], kv[1], out, lse, chunk_mask, ctx.scale, causal
@@ -197,7 +229,18 @@ class _RingAttention(torch.autograd.Function):
             _Ring.wait(dkv_requests)
             kv, kv_spare = kv_spare, kv
             dkv, dkv_spare = dkv_spare, dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return (
+            dq.to(q.dtype),
+            dkv[0].to(k.dtype),
+            dkv[1].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def ring_attention(
@@ -210,6 +253,7 @@ def ring_attention(
     scale: float | None = None,
     kv_sizes: list[int] | None = None,
     q_start: int | None = None,
+    kv_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's query segment over every rank's K/V segment, streamed around a ring.
 
@@ -220,7 +264,14 @@ def ring_attention(
 
     Segments may differ in length: ``kv_sizes`` lists every ring rank's K/V length (None: all equal) and
     ``q_start`` is the global position of this rank's first query (default ``rank * S_q/R``).
+
+    ``kv_mask`` (instead of ``attn_mask``): a key mask ``[b, 1, 1, S_kv/R]`` of this rank's own K/V segment
+    (bool or additive), which travels around the ring with its segment - no mask is gathered.
     """
+    if kv_mask is not None and attn_mask is not None:
+        raise ValueError(
+            "ring_attention takes attn_mask (over every key) or kv_mask (this segment's), not both"
+        )
     if key.shape != value.shape:
         raise ValueError(
             f"ring_attention needs key and value of one shape (they travel as one buffer), got "
@@ -236,5 +287,5 @@ def ring_attention(
     if q_start is None:
         q_start = dist.get_rank(group) * query.shape[2]
     return _RingAttention.apply(
-        query, key, value, attn_mask, float(scale), bool(is_causal), group, kv_sizes, int(q_start)
+        query, key, value, attn_mask, float(scale), bool(is_causal), group, kv_sizes, int(q_start), kv_mask
     )

@@ -20,6 +20,7 @@ FLOORS = {
     "sp_diffusers.model_kinds": 0,
     "sp_diffusers.handshake": 0,
     "sp_diffusers.kernels": 0,
+    "sp_diffusers.gathers": 0,
     "sp_diffusers.forward_scope": 0,
     "sp_diffusers.masks": 0,
     "sp_diffusers.scheduler_configs": 0,
