@@ -245,17 +245,20 @@ def _check_inferred(scope, layout: CallLayout, key_of_call) -> None:
     remember(key_of_call, layout)
 
 
-def _key_rows(attn_mask, form, query, kv_sizes, cp_rank) -> torch.Tensor | None:
-    """A key-padding mask at the local key length (``[b, 1, 1, S_kv_local]`` or ``[B, S_kv_local]``) as additive
-    rows ``[B, S_kv_local]`` of the query's dtype, to travel with K/V; None for any other mask (gathered)."""
-    if attn_mask is None or form != ("1", "local"):
-        return None
-    if attn_mask.dtype not in (torch.bool, query.dtype):
+def _key_rows(attn_mask, form, query, kv_sizes, cp_rank, ulysses, padded_heads) -> torch.Tensor | None:
+    """A key mask at the local key length - one row of keys per batch entry (``[B, S_kv_local]``,
+    ``[b, 1, 1, S_kv_local]``) or per head (``[b, H, 1, S_kv_local]``) - as ``[B, S_kv_local, heads, 1]`` of the
+    query's dtype (additive), laid out like K so that it travels in K/V's collective: one copy of a shared row
+    per destination, or each destination's own heads. None for any other mask (it is all-gathered)."""
+    if attn_mask is None or form != ("1", "local") or attn_mask.dtype not in (torch.bool, query.dtype):
         return None
     mask = key_padding_to_4d(attn_mask, query.shape[0], (kv_sizes[cp_rank], sum(kv_sizes)))
-    if mask.shape[1] != 1 or mask.shape[2] != 1:
+    if mask.shape[2] != 1 or mask.shape[1] not in (1, query.shape[2]):
         return None
-    return additive_mask(mask[:, 0, 0, :], query.dtype).expand(query.shape[0], -1)
+    rows = additive_mask(mask[:, :, 0, :], query.dtype).expand(query.shape[0], -1, -1).transpose(1, 2)
+    if rows.shape[2] == 1:
+        return rows[..., None].expand(-1, -1, ulysses, 1)
+    return F.pad(rows, (0, padded_heads - rows.shape[2]))[..., None]  # padded heads: neutral (0)
 
 
 def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups: CPGroups, layout):
@@ -275,7 +278,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
         pad = (0, 0, 0, padded_heads - heads)
         query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
 
-    key_rows = _key_rows(attn_mask, form, query, layout.kv_sizes, cp_rank)
+    key_rows = _key_rows(attn_mask, form, query, layout.kv_sizes, cp_rank, ulysses, padded_heads)
     if key_rows is not None:
         attn_mask = None  # a local key-padding mask rides along with K/V: no collective of its own
     elif attn_mask is not None:
@@ -293,22 +296,22 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             cp_group=groups.cp_group,
         )
 
-    seg_mask = None  # [B, S_segment] additive: the key mask of this ring segment's keys
+    seg_mask = None  # [B, h, 1, S_segment] additive: the key mask of this ring segment's keys, local heads
     if ulysses > 1 and key_rows is not None:
-        # the mask rows travel as one more "head" per destination, in the K/V block of the same collective
-        rows = key_rows[:, :, None, None].expand(-1, -1, ulysses, 1)
+        # the mask rows ride in the K/V block of the same collective
         q, k, v, rows = seq_to_heads(
-            [query, key, value, rows], group, [q_sizes, kv_sizes, kv_sizes, kv_sizes]
+            [query, key, value, key_rows], group, [q_sizes, kv_sizes, kv_sizes, kv_sizes]
         )
-        seg_mask = rows[:, :, 0, 0]
+        seg_mask = rows[..., 0].transpose(1, 2)[:, :, None, :]
     elif ulysses > 1:
         # [B, S_segment, H/U, D] (K/V: H_kv/U); S_segment = this ring segment's length
         q, k, v = seq_to_heads([query, key, value], group, [q_sizes, kv_sizes, kv_sizes])
     else:
         q, k, v = query, key, value
-        seg_mask = key_rows
+        if key_rows is not None:
+            seg_mask = key_rows[..., 0].transpose(1, 2)[:, :, None, :]
     if seg_mask is not None and ring == 1:
-        attn_mask = seg_mask[:, None, None, :]
+        attn_mask = seg_mask
     if ring > 1:
         # every ring segment's length, and where this one starts (causal rows are global positions)
         seg_q = [sum(layout.q_sizes[r * ulysses : (r + 1) * ulysses]) for r in range(ring)]
@@ -328,17 +331,17 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             scale=scale,
             kv_sizes=seg_kv if layout.uneven else None,
             q_start=q_start,
-            kv_mask=seg_mask[:, None, None, :] if seg_mask is not None else None,
+            kv_mask=seg_mask,
         ).transpose(1, 2)
     else:
         if ring > 1:
             # Dropout needs one softmax over all keys: all-gather K/V instead of streaming them.
-            gathered = [k, v] if seg_mask is None else [k, v, seg_mask[:, :, None, None]]
+            gathered = [k, v] if seg_mask is None else [k, v, seg_mask[:, :, 0, :].transpose(1, 2)[..., None]]
             k, v, *rows = gather_seq(
                 gathered, groups.ring_group, seg_kv if layout.uneven else None
             )  # [B, S_kv, H/U, D]
             if rows:
-                attn_mask = rows[0][:, :, 0, 0][:, None, None, :]
+                attn_mask = rows[0][..., 0].transpose(1, 2)[:, :, None, :]
             if is_causal:
                 # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at q_start
                 rows = torch.arange(q.shape[1], device=q.device) + q_start

@@ -75,9 +75,15 @@ def set_rank_agreement(model: torch.nn.Module, mode: str) -> None:
 def rank_agreement(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> str:
     """``model``'s mode; ``"trusted"`` on torch's fake process group unless ``"per_call"`` was set."""
     mode = getattr(model, _MODE_ATTR, "per_forward")
-    if mode == "per_forward" and group is not None and dist.get_backend(group) == "fake":
+    if mode == "per_forward" and group is not None and _fake(group):
         return "trusted"
     return mode
+
+
+def _fake(group: dist.ProcessGroup) -> bool:
+    """torch's fake process group (``"fake"``, or per device, ``"cpu:fake,meta:fake"``): it moves no data."""
+    backends = str(dist.get_backend(group)).split(",")
+    return all(b.rsplit(":", 1)[-1] == "fake" for b in backends)
 
 
 class ForwardScope:

@@ -151,20 +151,29 @@ def agree(
     return CallLayout(tuple(r[2] for r in table), tuple(r[3] for r in table), mask_shapes)
 
 
-def describe(value: Any) -> Any:
-    """A hashable, rank-independent description of a forward input: tensors by shape, dtype and device type
-    (not device index, not values), containers recursively, plain values as they are, other objects by type."""
+def describe(name: str, value: Any, out: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """``(name, description)`` of every leaf of a forward input, containers flattened into dotted names:
+    tensors by shape, dtype and device type (not device index, not values), plain values as they are, other
+    objects by type. Rank-independent, so that every rank of an SP group describes the same inputs alike."""
+    out = [] if out is None else out
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype).removeprefix("torch."), value.device.type)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, dict):
-        return ("dict", tuple((str(k), describe(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(describe(v) for v in value))
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    return ("object", type(value).__name__)
+        dtype = str(value.dtype).removeprefix("torch.")
+        out.append((name, f"tensor{list(value.shape)} {dtype} on {value.device.type}"))
+    elif isinstance(value, dict):
+        if not value:
+            out.append((name, "{}"))
+        for k, v in value.items():
+            describe(f"{name}.{k}", v, out)
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            out.append((name, repr(value)))
+        for i, v in enumerate(value):
+            describe(f"{name}[{i}]", v, out)
+    elif value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        out.append((name, repr(value)))
+    else:
+        out.append((name, f"a {type(value).__name__}"))
+    return out
 
 
 def _digest(signature: Any) -> int:
@@ -172,19 +181,20 @@ def _digest(signature: Any) -> int:
 
 
 def _first_difference(rows: list[Any], ranks: list[int]) -> str:
-    """The first entry in which the ranks' described inputs differ, with each rank's value."""
+    """The first input whose description differs across the ranks, with each rank's."""
     named = [dict(row) for row in rows]
     for name in dict.fromkeys(n for row in named for n in row):
         values = [row.get(name, "(absent)") for row in named]
-        if len({repr(v) for v in values}) > 1:
+        if len(set(values)) > 1:
             per_rank = ", ".join(f"rank {ranks[i]}: {v}" for i, v in enumerate(values))
             return f"{name} ({per_rank})"
     return "the order of their inputs"
 
 
-def agree_forward(signature: list[tuple[str, Any]], group: dist.ProcessGroup, device: torch.device) -> None:
-    """The once-per-forward agreement: one all-gather of a digest of ``signature`` (named, described entries:
-    the model's own, then every input); on a mismatch every rank raises the same :class:`SPCallMismatch`."""
+def agree_forward(signature: list[tuple[str, str]], group: dist.ProcessGroup, device: torch.device) -> None:
+    """The once-per-forward agreement: one all-gather of a digest of ``signature`` (``(name, description)`` of
+    the model and of every input, see :func:`describe`); on a mismatch every rank raises the same
+    :class:`SPCallMismatch`, naming the first input that differs and every rank's description of it."""
     table = gather_ints([_digest(signature)], group, device)
     if len({row[0] for row in table}) == 1:
         return

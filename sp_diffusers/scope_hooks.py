@@ -37,7 +37,7 @@ def _parameter_names(cls: type) -> list[str]:
     return names[1]
 
 
-def _fingerprint(model: torch.nn.Module) -> tuple:
+def _fingerprint(model: torch.nn.Module) -> str:
     """What identifies the model across ranks: class, parameter count and numel, first dtype, config digest."""
     params = list(model.parameters())
     # diffusers' private config keys (e.g. "_use_default_values", a set turned list) vary across processes
@@ -46,7 +46,10 @@ def _fingerprint(model: torch.nn.Module) -> tuple:
     }
     config_digest = hashlib.blake2b(repr(sorted(config.items())).encode(), digest_size=6).hexdigest()
     first = str(params[0].dtype).removeprefix("torch.") if params else None
-    return (type(model).__name__, len(params), sum(p.numel() for p in params), first, config_digest)
+    return (
+        f"{type(model).__name__} with {len(params)} parameters ({sum(p.numel() for p in params)} values, first "
+        f"{first}), config {config_digest}"
+    )
 
 
 def _input_device(args: tuple, kwargs: dict, model: torch.nn.Module) -> torch.device:
@@ -66,10 +69,10 @@ def _open(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         return
     mode = rank_agreement(model, groups.cp_group)
     names = _parameter_names(type(model))
-    inputs = sorted(
-        [(names[i] if i < len(names) else f"args[{i}]", describe(a)) for i, a in enumerate(args)]
-        + [(k, describe(v)) for k, v in kwargs.items()]
-    )
+    named = [(names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(args)]
+    inputs: list[tuple[str, str]] = []
+    for name, value in sorted(named + list(kwargs.items()), key=lambda item: item[0]):
+        describe(name, value, inputs)
     if mode != "trusted":
         agree_forward(
             [("the model", _fingerprint(model)), *inputs], groups.cp_group, _input_device(args, kwargs, model)
