@@ -188,6 +188,7 @@ def main() -> None:
                 where = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in frames]
                 results[case] = {"error": f"{type(err).__name__}: {err}", "where": where}
     results.update(_negatives())
+    results["ring_memory"] = _ring_memory()
     dist.destroy_process_group()
     print(json.dumps(results))
 
@@ -222,6 +223,53 @@ def _negatives() -> dict[str, Any]:
         except Exception as err:
             out[f"negative:{name}"] = {"error": f"{type(err).__name__}: {err}"}
     return out
+
+
+def _ring_memory(heads: int = 2, head_dim: int = 16) -> dict[str, Any]:
+    """Ring attention (R = 8, this rank's share) on CPU tensors, forward and backward, under torch's memory
+    tracker: its peak and the largest tensor allocated, at S = 16k with the CPU flash kernel and - the control,
+    at S = 4k to keep it cheap - with the plain math kernel, which builds a ``[B, H, S/R, S/R]`` score matrix
+    per chunk."""
+    from unittest import mock
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from sp_diffusers import kernels
+    from sp_diffusers.ring import ring_attention
+
+    group = dist.group.WORLD
+    largest = [0]
+
+    class _Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest[0] = max(largest[0], t.untyped_storage().nbytes())
+            return out
+
+    def measure(seq: int) -> dict[str, int]:
+        largest[0] = 0
+        s_l = seq // dist.get_world_size(group)
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(1, heads, s_l, head_dim, generator=g) for _ in range(4))
+        ins = [t.requires_grad_(True) for t in (q, k, v)]
+        tracker = MemTracker()
+        tracker.track_external(*ins)
+        with tracker, _Largest():
+            ring_attention(*ins, group).backward(dout)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        return {
+            "peak": peak,
+            "largest": largest[0],
+            "q_bytes": q.numel() * q.element_size(),
+            "score_bytes": heads * s_l * s_l * 4,  # one chunk's fp32 scores: this rank's queries x one chunk
+        }
+
+    fused = measure(16384)
+    with mock.patch.object(kernels, "kernel_for", lambda t, has_mask: "math"):
+        math = measure(4096)
+    return {"fused": fused, "math": math}
 
 
 if __name__ == "__main__":
