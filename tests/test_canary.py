@@ -85,3 +85,23 @@ def test_ring_attention_memory_at_16k_tokens_is_linear_in_the_sequence():
     assert fused["peak"] <= 32 * fused["q_bytes"], fused
     assert fused["largest"] < fused["score_bytes"] / 16, fused
     assert math["largest"] >= math["score_bytes"], math
+
+
+def test_the_gradient_contract_on_ncclish_reduce_ops():
+    """FSDPEngine at world 8 on the fake group (not gloo, so the NCCL path): FSDP2's reduce-scatter over all 8
+    ranks carries the divide factor itself - ``PREMUL_SUM(1/dp)`` with dp = 2, sp = 4 (each rank's gradient
+    times 1/2, summed over 8 ranks: the SUM over the SP group, the MEAN over dp), ``AVG`` with dp = 8, sp = 1 -
+    in fp32 under bf16 mixed precision, and nothing is divided before or after (a pre- or post-division would
+    count the factor twice)."""
+    runs = _canary()["gradient_contract"]
+    expected = {"dp2_sp4": ("PREMUL_SUM", 0.5), "dp8_sp1": ("AVG", None)}
+    assert set(runs) == set(expected)
+    for layout, (op, factor) in expected.items():
+        calls = runs[layout]["calls"]
+        assert calls, f"{layout}: no reduce-scatter ran"
+        for call in calls:
+            assert (call["op"], call["factor"], call["dtype"], call["group"]) == (op, factor, "float32", 8), (
+                layout,
+                call,
+            )
+        assert runs[layout]["divisions"] == [], (layout, runs[layout]["divisions"])

@@ -189,6 +189,7 @@ def main() -> None:
                 results[case] = {"error": f"{type(err).__name__}: {err}", "where": where}
     results.update(_negatives())
     results["ring_memory"] = _ring_memory()
+    results["gradient_contract"] = _gradient_contract()
     dist.destroy_process_group()
     print(json.dumps(results))
 
@@ -270,6 +271,67 @@ def _ring_memory(heads: int = 2, head_dim: int = 16) -> dict[str, Any]:
     with mock.patch.object(kernels, "kernel_for", lambda t, has_mask: "math"):
         math = measure(4096)
     return {"fused": fused, "math": math}
+
+
+def _gradient_contract() -> dict[str, Any]:
+    """FSDPEngine's gradient contract on NCCL's reduce ops. The fake group is not gloo, so the engine takes the
+    NCCL path (no forced SUM): FSDP2 folds the divide factor (dp) into the reduce-scatter itself - ``AVG`` when
+    it equals the group size (sp = 1), else ``PREMUL_SUM(1/dp)`` - and divides nothing before or after.
+    Recorded per layout: every reduce-scatter's op, factor, dtype and group size, and every extra division."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+    import sp_diffusers
+    from sp_diffusers.tiny import tiny_inputs, tiny_model
+
+    calls: list[dict[str, Any]] = []
+    divisions: list[float] = []
+    saved = {
+        name: getattr(dist, name)
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor")
+        if hasattr(dist, name)
+    }
+
+    def recording(fn):
+        def wrapped(output, input, *args, op=None, group=None, **kwargs):
+            calls.append(
+                {
+                    "op": str(getattr(op, "op", op)).rsplit(".", 1)[-1],
+                    "factor": getattr(op, "factor", None),
+                    "dtype": str(input.dtype).removeprefix("torch."),
+                    "group": dist.get_world_size(group),
+                }
+            )
+            return fn(output, input, *args, op=op, group=group, **kwargs)
+
+        return wrapped
+
+    real_div = collectives._div_if_needed
+
+    def div(tensor, factor):
+        if factor is not None and factor != 1:
+            divisions.append(float(factor))
+        return real_div(tensor, factor)
+
+    out: dict[str, Any] = {}
+    for name, fn in saved.items():
+        setattr(dist, name, recording(fn))
+    collectives._div_if_needed = div
+    try:
+        for sp in (4, 1):
+            calls.clear()
+            divisions.clear()
+            model = tiny_model("flux", seed=0)
+            engine = sp_diffusers.FSDPEngine(
+                model, ulysses_sequence_parallel_size=sp, device="cpu", mixed_precision="bf16"
+            )
+            inputs = tiny_inputs("flux", model, batch=2, seed=1, image_hw=(4, 4), text_len=8)
+            engine.model(**inputs, return_dict=False)[0].float().sum().backward()
+            out[f"dp{engine.dp_size}_sp{sp}"] = {"calls": list(calls), "divisions": list(divisions)}
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        collectives._div_if_needed = real_div
+    return out
 
 
 if __name__ == "__main__":
