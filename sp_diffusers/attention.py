@@ -13,11 +13,14 @@ merge by log-sum-exp (``sp_diffusers.ring``: exact, backward included, K/V memor
 the ring all-gathers K/V instead (one softmax over every key). Heads need only divide U, so the SP
 degree U x R is not capped by the head count.
 
-Ranks may hold different local lengths (any sequence length, sharded as ``torch.tensor_split`` does):
-each call starts with a handshake (``sp_diffusers.handshake``) that tells every rank every rank's lengths and
+Ranks may hold different local lengths (any sequence length, sharded as ``torch.tensor_split`` does). Inside
+a model forward under a plan, every rank's lengths come from the forward's scope (``sp_diffusers.forward_scope``:
+the ranks agreed the inputs once, the plan's splits say the lengths) with no communication; a direct call
+starts with the per-call handshake (``sp_diffusers.handshake``) that tells every rank every rank's lengths and
 refuses, on every rank at once, calls whose inputs disagree across the group. Masks (``sp_diffusers.masks``)
-are normalised to SDPA's 4-D form ``[b, h, q, k]``; a dim at the local length is all-gathered (a key-padding
-mask stays O(S)), per-head masks are sliced to the local heads. Heads that do not divide P are zero-padded
+are normalised to SDPA's 4-D form ``[b, h, q, k]``; a key mask at the local length travels with K/V in their
+all-to-all, another dim at the local length is all-gathered, per-head masks are sliced to the local heads.
+On CUDA the local attention runs the fused kernels explicitly (``sp_diffusers.kernels``). Heads that do not divide P are zero-padded
 (padded heads are dropped, so the result is exact); GQA keeps K/V compact when H_kv divides P. Glossary of
 dimension letters: ``sp_diffusers.comm``.
 """
