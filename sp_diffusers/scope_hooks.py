@@ -15,6 +15,7 @@ import itertools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .cp_groups import cp_groups
 from .forward_scope import ForwardScope, current, mark_outputs, pop, push, rank_agreement
@@ -52,12 +53,12 @@ def _fingerprint(model: torch.nn.Module) -> str:
     )
 
 
-def _input_device(args: tuple, kwargs: dict, model: torch.nn.Module) -> torch.device:
-    for value in itertools.chain(args, kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
+def _group_device(group: Any) -> torch.device:
+    """Where the agreement's small tensor lives: NCCL takes CUDA tensors only (the current device, read now);
+    every other backend (gloo, fake) takes CPU tensors."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _open(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -75,7 +76,7 @@ def _open(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         describe(name, value, inputs)
     if mode != "trusted":
         agree_forward(
-            [("the model", _fingerprint(model)), *inputs], groups.cp_group, _input_device(args, kwargs, model)
+            [("the model", _fingerprint(model)), *inputs], groups.cp_group, _group_device(groups.cp_group)
         )
     scope = ForwardScope(
         config, groups.world, groups.cp_rank, mode, (getattr(model, _HOOKS_ATTR)[0], tuple(inputs))

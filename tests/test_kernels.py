@@ -113,3 +113,15 @@ def test_meta_stands_in_for_cuda_with_fused_kernels_only(dtype, masked, expected
 def test_fp64_off_cpu_takes_the_math_kernel():
     assert kernels.kernel_for(torch.empty(1, 1, 1, 8, device="meta", dtype=torch.float64), False) == "math"
     assert kernels.kernel_for(torch.empty(1, 1, 1, 8, dtype=torch.float64), True) == "cpu_flash"
+
+
+def test_the_gpu_check_of_the_kernels_passes_on_the_cpu_kernels():
+    """``tests/gpu_kernels.py`` (run on a GPU machine with ``--device cuda``) holds the fused kernels to fp64 SDPA,
+    one-shot and chunked as the ring uses them; here the same checks run on the CPU kernels, so the check
+    itself is known to pass where the kernels are right."""
+    from .gpu_kernels import run
+
+    results = run("cpu")
+    assert len(results) == 42
+    failed = [r for r in results if not r["pass"]]
+    assert not failed, failed
