@@ -1,8 +1,8 @@
 """The hot-path contract, counted for every family with a plan (``tests/workers/hot_path.py`` says how).
 
 One 4-rank process group runs every tiny model of ``model_cases`` at its even and its uneven length under
-Ulysses 4 and Ulysses 2 x Ring 2, three forward+backward passes each (``learn``, ``steady`` with activation
-checkpointing, ``trusted``). Asserted:
+Ulysses 4 and Ulysses 2 x Ring 2, forward+backward passes ``learn``, ``steady`` (activation checkpointing) and,
+under Ulysses 4, ``trusted``. Asserted:
 
 - every attention call, forward or recomputed in backward: at most 2 collectives (the Q/K/V exchange and the
   output exchange; the ring's point-to-point batches are counted apart), and - once a forward with these
@@ -46,7 +46,7 @@ def test_attention_calls_forward_and_backward_keep_the_contract(case):
     assert "error" not in r, f"{case}: {r.get('error')}"
     assert r["finite"], f"{case}: non-finite output"
     uneven_forward = not all(r["learn"]["even"])
-    for pass_name in ("learn", "steady", "trusted"):
+    for pass_name in [p for p in ("learn", "steady", "trusted") if p in r]:
         calls = _calls(r, pass_name)
         assert r[pass_name]["calls"]["forward"], (
             f"{case} {pass_name}: no attention call went through the backend"
@@ -66,7 +66,7 @@ def test_attention_calls_forward_and_backward_keep_the_contract(case):
 def test_one_agreement_per_forward_and_none_in_backward(case):
     r = _results()[case]
     assert "error" not in r, f"{case}: {r.get('error')}"
-    for pass_name, agreements in (("steady", 1), ("trusted", 0)):
+    for pass_name, agreements in [(p, n) for p, n in (("steady", 1), ("trusted", 0)) if p in r]:
         forward, backward = r[pass_name]["outside"]["forward"], r[pass_name]["outside"]["backward"]
         assert forward["meta"] == agreements and forward["sync_ours"] == agreements, (
             case,
@@ -76,7 +76,8 @@ def test_one_agreement_per_forward_and_none_in_backward(case):
         assert backward["meta"] == 0 and backward["sync_ours"] == 0, (case, pass_name, backward)
         n_calls = len(r[pass_name]["calls"]["forward"])
         assert backward["collective"] <= 2 * n_calls, (case, pass_name, backward, n_calls)
-    assert r["trusted"]["sync_ops_ours"] == [], (case, r["trusted"]["sync_ops_ours"])
+    if case.endswith("u4r1"):
+        assert r["trusted"]["sync_ops_ours"] == [], (case, r["trusted"]["sync_ops_ours"])
 
 
 DISAGREEMENTS = {

@@ -4,7 +4,8 @@ for every tiny model of ``model_cases`` under Ulysses and Ulysses x Ring (one 4-
 Each case (model, length, layout) runs three forward+backward passes of one model:
   1. ``learn``   the first forward with these input shapes (an uneven one learns its calls' layouts here);
   2. ``steady``  the same inputs again with activation checkpointing on (blocks recomputed in backward);
-  3. ``trusted`` the same again with ``set_rank_agreement(model, "trusted")`` (the engine's setting).
+  3. ``trusted`` the same again with ``set_rank_agreement(model, "trusted")`` (the engine's setting; Ulysses
+     layout only).
 
 Counted events (each tagged with the pass, forward/backward and the attention call it happened in, if any):
   collective  a ``torch.distributed`` collective (point-to-point batches are ``p2p``);
@@ -240,7 +241,8 @@ def hot_path_counts(rank: int, world: int, names: list[str], layouts: list[tuple
                     inputs = sp_inputs(name, length, inputs, ulysses * ring)
                     finite = True
                     with recording(rec):
-                        for pass_name in ("learn", "steady", "trusted"):
+                        # the trusted pass differs from steady only before the first block: once per family
+                        for pass_name in ("learn", "steady", "trusted") if ring == 1 else ("learn", "steady"):
                             if pass_name == "steady" and getattr(
                                 model, "_supports_gradient_checkpointing", False
                             ):
