@@ -334,7 +334,8 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             scale=scale,
             kv_sizes=seg_kv if layout.uneven else None,
             q_start=q_start,
-            kv_mask=seg_mask,
+            # only when there is one: ring_attention's callers and stand-ins without it stay valid
+            **({"kv_mask": seg_mask} if seg_mask is not None else {}),
         ).transpose(1, 2)
     else:
         if ring > 1:

@@ -95,6 +95,10 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _bias_for_efficient(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """aten's layout of an efficient-attention bias: every row 16-byte aligned, expanded to ``[B, H, S_q, S_kv]``."""
+    if mask.shape[-1] == 1 and k.shape[2] != 1:
+        # a mask over query rows only (every key alike): the kernel reads bias rows along the keys, so they
+        # are materialised; key-padding masks, the common case, never take this path
+        mask = mask.expand(*mask.shape[:-1], k.shape[2]).contiguous()
     aligned = mask.stride(-1) == 1 and all(s % 8 == 0 for s in mask.stride()[:-1])
     if not aligned:
         n = mask.shape[-1]
