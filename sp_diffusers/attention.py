@@ -248,11 +248,15 @@ def _check_inferred(scope, layout: CallLayout, key_of_call) -> None:
     remember(key_of_call, layout)
 
 
+_ROW_SLOT_BYTES = 64  # per head of a key mask riding with K/V: the alignment of Q/K/V's rows is kept
+
+
 def _key_rows(attn_mask, form, query, kv_sizes, cp_rank, ulysses, padded_heads) -> torch.Tensor | None:
     """A key mask at the local key length - one row of keys per batch entry (``[B, S_kv_local]``,
-    ``[b, 1, 1, S_kv_local]``) or per head (``[b, H, 1, S_kv_local]``) - as ``[B, S_kv_local, heads, 1]`` of the
-    query's dtype (additive), laid out like K so that it travels in K/V's collective: one copy of a shared row
-    per destination, or each destination's own heads. None for any other mask (it is all-gathered)."""
+    ``[b, 1, 1, S_kv_local]``) or per head (``[b, H, 1, S_kv_local]``) - as ``[B, S_kv_local, heads, slot]`` of
+    the query's dtype (additive, see :func:`_in_slots`), laid out like K so that it travels in K/V's collective:
+    one copy of a shared row per destination, or each destination's own heads. None for any other mask (it is
+    all-gathered)."""
     if attn_mask is None or form != ("1", "local") or attn_mask.dtype not in (torch.bool, query.dtype):
         return None
     mask = key_padding_to_4d(attn_mask, query.shape[0], (kv_sizes[cp_rank], sum(kv_sizes)))
@@ -260,8 +264,17 @@ def _key_rows(attn_mask, form, query, kv_sizes, cp_rank, ulysses, padded_heads) 
         return None
     rows = additive_mask(mask[:, :, 0, :], query.dtype).expand(query.shape[0], -1, -1).transpose(1, 2)
     if rows.shape[2] == 1:
-        return rows[..., None].expand(-1, -1, ulysses, 1)
-    return F.pad(rows, (0, padded_heads - rows.shape[2]))[..., None]  # padded heads: neutral (0)
+        rows = rows.expand(-1, -1, ulysses)
+    else:
+        rows = F.pad(rows, (0, padded_heads - rows.shape[2]))  # padded heads: neutral (0)
+    return _in_slots(rows)
+
+
+def _in_slots(rows: torch.Tensor) -> torch.Tensor:
+    """``[B, S, h]`` -> ``[B, S, h, slot]``, the value first: each head's mask value travels in a slot of 64
+    bytes, so that the rows of the shared receive buffer keep the alignment of Q/K/V's own (an odd row width
+    changed which CPU kernels SDPA ran, and so its rounding, between a rollout and a training forward)."""
+    return F.pad(rows[..., None], (0, _ROW_SLOT_BYTES // rows.element_size() - 1))
 
 
 def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups: CPGroups, layout):
@@ -282,6 +295,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
         query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
 
     key_rows = _key_rows(attn_mask, form, query, layout.kv_sizes, cp_rank, ulysses, padded_heads)
+    key_mask_dtype = attn_mask.dtype if key_rows is not None else None
     if key_rows is not None:
         attn_mask = None  # a local key-padding mask rides along with K/V: no collective of its own
     elif attn_mask is not None:
@@ -305,7 +319,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
         q, k, v, rows = seq_to_heads(
             [query, key, value, key_rows], group, [q_sizes, kv_sizes, kv_sizes, kv_sizes]
         )
-        seg_mask = rows[..., 0].transpose(1, 2)[:, :, None, :]
+        seg_mask = rows[..., 0].transpose(1, 2)[:, :, None, :]  # [B, h, 1, S_segment]
     elif ulysses > 1:
         # [B, S_segment, H/U, D] (K/V: H_kv/U); S_segment = this ring segment's length
         q, k, v = seq_to_heads([query, key, value], group, [q_sizes, kv_sizes, kv_sizes])
@@ -313,6 +327,9 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
         q, k, v = query, key, value
         if key_rows is not None:
             seg_mask = key_rows[..., 0].transpose(1, 2)[:, :, None, :]
+    if seg_mask is not None and key_mask_dtype == torch.bool:
+        # back to the bool mask it was: SDPA then runs exactly what it runs for the gathered mask
+        seg_mask = ~torch.isneginf(seg_mask)
     if seg_mask is not None and ring == 1:
         attn_mask = seg_mask
     if ring > 1:
@@ -340,7 +357,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
     else:
         if ring > 1:
             # Dropout needs one softmax over all keys: all-gather K/V instead of streaming them.
-            gathered = [k, v] if seg_mask is None else [k, v, seg_mask[:, :, 0, :].transpose(1, 2)[..., None]]
+            gathered = [k, v] if seg_mask is None else [k, v, _in_slots(seg_mask[:, :, 0, :].transpose(1, 2))]
             k, v, *rows = gather_seq(
                 gathered, groups.ring_group, seg_kv if layout.uneven else None
             )  # [B, S_kv, H/U, D]
