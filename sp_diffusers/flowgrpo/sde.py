@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import to_device
+
 __all__ = ["SDEStep", "ode_step", "sde_step_with_logprob"]
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
@@ -56,7 +58,10 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _per_sample(value: Sigma, name: str, sample: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A python float, 0-d tensor or ``[B]`` tensor as a ``[B, 1, ..., 1]`` tensor that broadcasts over ``sample``."""
     batch = sample.shape[0]
-    t = torch.as_tensor(value, dtype=dtype, device=sample.device)
+    if not isinstance(value, torch.Tensor):
+        # filled on the device: a Python number through torch.as_tensor would be a blocking host-to-device copy
+        return torch.full((batch, *([1] * (sample.ndim - 1))), value, dtype=dtype, device=sample.device)
+    t = to_device(value, sample.device).to(dtype)
     if t.ndim == 0:
         t = t.expand(batch)
     elif t.shape != (batch,):
@@ -122,8 +127,10 @@ def sde_step_with_logprob(
             ``sigmas[1]``, so only the first step (sigma = 1, or UniPC's 1 - 1e-6) uses it, as flow_grpo does
             at sigma = 1 (where ``1 - sigma`` would divide by zero).
         prev_sample: ``[B, ...]`` a stored ``x_prev`` to evaluate (training); ``None`` samples one (rollout).
-        generator: random generator for the noise when sampling; the noise is drawn in ``sample``'s dtype
-            (as the reference does) on the generator's device, then moved to ``sample``'s device.
+        generator: random generator for the noise when sampling; the noise is drawn in the compute dtype (float32,
+            or float64 for float64 inputs) on the generator's device, then moved to ``sample``'s device: flow_grpo
+            casts the model output to float32 first and draws in its dtype, so a bf16 rollout draws float32 noise
+            there too (a bf16 draw would be another noise, rounded to 8 bits of mantissa).
 
     Returns:
         :class:`SDEStep`. ``prev_sample`` and ``prev_sample_mean`` are in the compute dtype (at least
@@ -163,8 +170,8 @@ def sde_step_with_logprob(
 
     if prev_sample is None:
         noise_device = generator.device if generator is not None else sample.device
-        eps = torch.randn(sample.shape, generator=generator, dtype=sample.dtype, device=noise_device)
-        x_prev = mean + scale * eps.to(device=sample.device, dtype=dtype)
+        eps = torch.randn(sample.shape, generator=generator, dtype=dtype, device=noise_device)
+        x_prev = mean + scale * to_device(eps, sample.device)
     else:
         x_prev = prev_sample.to(dtype)
 

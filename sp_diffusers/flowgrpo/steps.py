@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import to_device
 from .sde import (
     _LOG_SQRT_2PI,
     SDEStep,
@@ -50,10 +51,11 @@ SDE_TYPES = ("sde", "cps", "dance")
 
 
 def _noise(sample: torch.Tensor, generator: torch.Generator | None, dtype: torch.dtype) -> torch.Tensor:
-    # drawn in the sample's dtype on the generator's device, as sde_step_with_logprob draws it
+    # drawn in the compute dtype (float32 for bf16 latents, as flow_grpo draws it) on the generator's device, as
+    # sde_step_with_logprob draws it
     device = generator.device if generator is not None else sample.device
-    eps = torch.randn(sample.shape, generator=generator, dtype=sample.dtype, device=device)
-    return eps.to(device=sample.device, dtype=dtype)
+    eps = torch.randn(sample.shape, generator=generator, dtype=dtype, device=device)
+    return to_device(eps, sample.device)  # queued: a CPU generator's noise costs no host sync
 
 
 def _prepare(sample, model_output, sigma, sigma_next, prev_sample, fn):
@@ -158,12 +160,19 @@ class StepRule:
         prev_sample: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> SDEStep:
-        """Step ``step_index`` (an int, or a ``[B]`` long tensor: one step per sample) of the schedule ``sigmas``."""
+        """Step ``step_index`` of the schedule ``sigmas``.
+
+        ``step_index``: an int (then ``sigmas`` is read on the host: pass the schedule's CPU copy, as
+        ``Schedule.sigmas`` is), or a ``[B]`` long tensor, one step per sample (then everything happens on the
+        index's device: the sigmas are gathered there, never the index brought to the host).
+        """
         if isinstance(step_index, torch.Tensor):
-            idx = step_index.to(sigmas.device)
-            sigma, sigma_next = sigmas[idx], sigmas[idx + 1]
+            on_device = to_device(sigmas, step_index.device)
+            sigma, sigma_next = on_device[step_index], on_device[step_index + 1]
+            sigma_one = on_device[1]
         else:
             sigma, sigma_next = float(sigmas[step_index]), float(sigmas[step_index + 1])
+            sigma_one = float(sigmas[1])
         kwargs = dict(prev_sample=prev_sample, generator=generator)
         if self.sde_type == "sde":
             return sde_step_with_logprob(
@@ -172,7 +181,7 @@ class StepRule:
                 sigma,
                 sigma_next,
                 self.noise_level,
-                sigma_one_substitute=float(sigmas[1]),
+                sigma_one_substitute=sigma_one,
                 **kwargs,
             )
         if self.sde_type == "cps":
