@@ -5,8 +5,8 @@ with per-GPU memory by part (torch's memory trackers) and FLOPs (torch's FLOP fo
     models.py       the built-in model configs (released checkpoints' config.json) and family facts
     shapes.py       pixels or a token count -> latent grid -> tokens; the forward inputs of that size
     fake_world.py   the fake process group, fake tensors and what value reads see there
-    _premerge.py    the one temporary workaround for this engine (Module.to of fake parameters)
+    fake_module_to.py  Module.to of fake parameters (peft moves each new adapter with it)
     tracker.py      torch's trackers recording each place's peak, the FLOPs and the bytes each collective sends
     trace.py        one fake run of FSDPEngine.train_step (and a rollout forward) at one layout
-    extrapolate.py  the block shortcut: runs with 2 and 3 blocks -> the whole model
+    extrapolate.py  the block shortcut: runs with 3 and 4 blocks -> the whole model
 """

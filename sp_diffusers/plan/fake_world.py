@@ -16,7 +16,8 @@ So the run simulates one rank of a rank-symmetric job:
   stay real, with values: a model that selects tokens with a mask (HunyuanVideo-1.5 orders its text tokens with
   ``x[mask]``) gets outputs of the right length. Activations and parameters (floating point) are always fake;
 - a ``DeviceMesh`` keeps real (tiny) tensors: meshes and sub-meshes are built with fake mode suspended,
-  because torch computes a mesh's coordinates from tensor values.
+  because torch computes a mesh's coordinates from tensor values;
+- an ``ulysses_sdpa`` call's lengths are fitted to its mask's global length (:func:`fake_attention_agreement`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils import _pytree as pytree
 
-__all__ = ["PlanFakeMode", "fake_process_group", "mesh_outside_fake_mode", "symmetric_small_gathers"]
+__all__ = [
+    "PlanFakeMode",
+    "fake_attention_agreement",
+    "fake_process_group",
+    "mesh_outside_fake_mode",
+    "symmetric_small_gathers",
+]
 
 
 _REAL_LIMIT = 1 << 22  # elements: a real (valued) integer/bool tensor of at most 32 MiB
@@ -208,3 +215,38 @@ def symmetric_small_gathers() -> Iterator[None]:
             module.gather_ints = original
         sharder.shard = saved
         _SPLITS.clear()
+
+
+def _fit(sizes: list[int], length: int) -> list[int]:
+    """Every rank's length when the ranks' lengths sum to ``length``: a rank-symmetric guess (every rank holds
+    this rank's length) less one on the last ranks, as ``torch.tensor_split`` leaves them."""
+    excess = sum(sizes) - length
+    if 0 < excess < len(sizes):
+        return [n - (i >= len(sizes) - excess) for i, n in enumerate(sizes)]
+    return sizes
+
+
+@contextlib.contextmanager
+def fake_attention_agreement() -> Iterator[None]:
+    """The lengths of an ``ulysses_sdpa`` call fitted to its mask. On the fake process group no rank learns its
+    peers' lengths: every rank is taken to hold this rank's, which is right for even shards but one token long
+    per trailing rank for uneven ones, and a joint text+video mask (HunyuanVideo) has the true global length, so
+    the call would be refused ("fits neither local nor global lengths"). Here the lengths are fitted to the
+    mask's global length, as ``torch.tensor_split`` leaves them."""
+    from .. import attention
+    from ..handshake import CallLayout
+
+    original = attention.agree
+
+    def agree(query: Any, key: Any, attn_mask: Any, *args: Any) -> CallLayout:
+        layout = original(query, key, attn_mask, *args)
+        if attn_mask is None or attn_mask.dim() < 2:
+            return layout
+        q = _fit(layout.q_sizes, attn_mask.shape[-2]) if attn_mask.dim() == 4 else layout.q_sizes
+        return CallLayout(q, _fit(layout.kv_sizes, attn_mask.shape[-1]), layout.mask_shapes)
+
+    attention.agree = agree
+    try:
+        yield
+    finally:
+        attention.agree = original

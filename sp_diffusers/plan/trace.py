@@ -9,6 +9,7 @@ blocks than the checkpoint (``blocks``): ``plan/extrapolate.py`` combines such r
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -16,8 +17,13 @@ from typing import Any
 
 import torch
 
-from ._premerge import fake_attention_agreement
-from .fake_world import PlanFakeMode, fake_process_group, mesh_outside_fake_mode, symmetric_small_gathers
+from .fake_world import (
+    PlanFakeMode,
+    fake_attention_agreement,
+    fake_process_group,
+    mesh_outside_fake_mode,
+    symmetric_small_gathers,
+)
 from .models import ModelSpec
 from .shapes import Workload, build_inputs
 from .tracker import Place, dtensor_shape_inference_untracked, make_tracker
@@ -117,7 +123,7 @@ def _target_habits(target: str):
 def _engine(req: TraceRequest, model: torch.nn.Module):
     from ..engine import FSDPEngine
     from ..engine.settings import EngineSettings, LoraSettings
-    from ._premerge import fake_safe_module_to
+    from .fake_module_to import fake_safe_module_to
 
     lora = None
     if req.lora_rank is not None:
@@ -164,6 +170,10 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     getattr(comm, "release_buffers", lambda: None)()
+    # diffusers' hooks keep a model in reference cycles: what an earlier run left is freed now, not by a
+    # collection in the middle of this run's trace, and this run's model is freed before it returns
+    gc.collect()
+    model = engine = batch = None
     try:
         with (
             warnings.catch_warnings(),
@@ -199,6 +209,11 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
                 rollout = _traced(engine, lists, inputs, lambda: _rollout(engine, inputs))
     finally:
         quiet.setLevel(level)
+        if model is not None:
+            # a model kept alive by anything (a traceback, a caller's frame) must not block uninstall()
+            model.reset_attention_backend()
+        model = engine = batch = None
+        gc.collect()
     return train, rollout
 
 
