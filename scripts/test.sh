@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
 # The test command: set up (if needed), lint, then the whole suite on CPU with real gloo processes.
+#   bash scripts/test.sh [pytest args]     the whole suite (what CI runs)
+#   bash scripts/test.sh --quick [args]    the inner loop (about 2 minutes): attention ops, the world-8 canary,
+#                                          kernels, masks and padding, the FlowGRPO math, layout, the README
+#                                          snippet and one exact engine step at SP 2 - the installed diffusers only
 set -euo pipefail
+QUICK=(
+  tests/test_attention_ops.py tests/test_canary.py tests/test_kernels.py tests/test_padding.py tests/test_devices.py
+  tests/test_flowgrpo_algorithms.py tests/test_flowgrpo_math.py tests/test_config_keys.py tests/test_layout.py
+  tests/test_plans.py tests/test_readme.py
+  "tests/test_engine.py::test_flowgrpo_step_matches_one_process[sp2-full-qwenimage]"
+)
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  set -- "${QUICK[@]}" "$@"
+fi
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 export SP_DIFFUSERS_MATRIX_DIR=${SP_DIFFUSERS_MATRIX_DIR:-$PWD/.dmatrix}
