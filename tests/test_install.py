@@ -208,3 +208,23 @@ def test_a_wheel_works_from_any_directory(tmp_path):
         package, patches = proc.stdout.split()
         assert Path(package).is_relative_to(expected / "sp_diffusers"), (cwd, package)
         assert Path(patches).is_relative_to(expected / "sp_diffusers" / "patches"), (cwd, patches)
+
+
+def test_cpu_device_count_probe_survives_a_cuda_build_without_a_driver(monkeypatch):
+    """PyPI's Linux torch is a CUDA build; on a host without the NVIDIA driver torch 2.7-2.10's
+    ``torch.accelerator.device_count()`` raises where 2.11+ return 0. Both are a CPU-only host."""
+    from sp_diffusers.compat import diffusers_version
+    from sp_diffusers.patches import cpu_device_count as patch
+
+    def no_driver() -> int:
+        raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU")
+
+    monkeypatch.setattr(torch.accelerator, "device_count", no_driver)
+    if diffusers_version().release[:2] != (0, 42):
+        pytest.skip("the defect's method exists on diffusers 0.42 only (tests/test_patches.py covers others)")
+    probe = patch.probe()
+    assert probe.needed and "CPU-only" in probe.reason, probe
+    with patch._cpu_counts_as_one_device():
+        assert torch.accelerator.device_count() == 1
+    with pytest.raises(RuntimeError, match="no NVIDIA driver"):  # restored afterwards
+        torch.accelerator.device_count()
