@@ -15,7 +15,7 @@
 #             diffusers (tests/test_readme.py, test_attention_ops.py, test_model_parity.py)
 #   patches   every patch on diffusers 0.36.0, 0.37.1 and 0.42.1 (each patch is applied on one of them and
 #             skipped on another; CI runs all seven), install()/uninstall() (test_patches.py, test_install.py)
-#   engine    the engine's FlowGRPO step at SP = 2 against one process (test_engine.py, sp2-full-qwenimage)
+#   engine    the engine's FlowGRPO step at SP = 2 against one process (test_engine.py, [sp2-full-qwenimage])
 #   main      the main job (examples/configs/tiny_qwenimage_sp2.yaml) for 3 iterations on 2 processes
 # Results: one markdown row per combination appended to $SP_COMPAT_DIR/results.md; logs in
 # $SP_COMPAT_DIR/logs/. SP_PYTHON_3_12=/path/to/python3.12 (etc.) picks an interpreter, else python3.12 on
@@ -48,14 +48,16 @@ mkdir -p "$DIR/logs"
 export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}  # a CUDA torch is GBs: no second copy in pip's cache
 export PIP_DISABLE_PIP_VERSION_CHECK=1 OMP_NUM_THREADS=1 SP_DIFFUSERS_MATRIX_DIR=$MATRIX_DIR
 
-python_for() {  # python_for 3.12 -> an interpreter of that version, or nothing
-  local var="SP_PYTHON_${1//./_}" found
-  if [ -n "${!var:-}" ]; then echo "${!var}"; return; fi
-  if command -v "python$1" >/dev/null; then command -v "python$1"; return; fi
-  if command -v pyenv >/dev/null; then
-    found=$(ls -d "$(pyenv root)"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -V | tail -n 1)
-    [ -n "$found" ] && echo "$found"
-  fi
+python_for() {  # python_for 3.12 -> an interpreter of that version that runs, or nothing
+  local var="SP_PYTHON_${1//./_}" candidate
+  for candidate in ${!var:-} "$(command -v "python$1" || true)" \
+    $(command -v pyenv >/dev/null && ls -d "$(pyenv root)"/versions/"$1".*/bin/python"$1" 2>/dev/null | sort -rV); do
+    # a pyenv shim exists for every installed version but runs only the selected ones
+    if [ -n "$candidate" ] && "$candidate" -c "import sys; assert sys.version.startswith('$1.')" 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
 }
 
 # the diffusers matrix (pure Python, shared by every row): what CI installs with scripts/setup.sh
@@ -108,7 +110,7 @@ step_patches() {  # 0.36/0.37/0.42: where each patch is applied at least once, a
   step_pytest tests/test_patches.py tests/test_install.py -k "not test_probe_defect_and_fix and \
     not test_apply_revert_idempotent_and_uninstall or 0.36.0 or 0.37.1 or 0.42.1"
 }
-step_engine() { step_pytest tests/test_engine.py -k "sp2-full-qwenimage"; }
+step_engine() { step_pytest "tests/test_engine.py::test_flowgrpo_step_matches_one_process[sp2-full-qwenimage]"; }
 step_main() {  # with a wheel from another directory: the installed package, not this checkout
   local out="$DIR/runs/$name" cwd=$ROOT
   rm -rf "$out"
