@@ -36,12 +36,12 @@ def build(seed: int = 0) -> torch.nn.Module:
     )
 
 
-def inputs(tokens: int, seed: int = 1) -> dict:
+def inputs(tokens: int, seed: int = 1, device: torch.device | str = "cpu") -> dict:
     g = torch.Generator().manual_seed(seed)
     return dict(
-        hidden_states=torch.randn(1, 4, frames_for(tokens), 32, 32, generator=g),
-        timestep=torch.tensor([500.0]),
-        encoder_hidden_states=torch.randn(1, TEXT, 64, generator=g),
+        hidden_states=torch.randn(1, 4, frames_for(tokens), 32, 32, generator=g).to(device),
+        timestep=torch.tensor([500.0]).to(device),
+        encoder_hidden_states=torch.randn(1, TEXT, 64, generator=g).to(device),
     )
 
 

@@ -1,8 +1,13 @@
 """Attention forward+backward: ``ulysses_sdpa`` vs diffusers' ``native`` Ulysses vs one process.
 
     python benchmarks/attention.py [--seq 2048 4096 8192] [--json out.json] [--plot out.png]
+    python benchmarks/attention.py --device cuda --backend nccl --dtype bf16 --world 8 --heads 40 --head-dim 128 \
+        --seq 32768 75600      # on a GPU node: NCCL, one GPU per rank
 
-2 ranks x 1 thread (gloo), fp32, the same inputs everywhere, all variants in one run. Variants (per rank):
+Default: 2 ranks x 1 thread (gloo), fp32, the same inputs everywhere, all variants in one run. With
+``--device cuda`` every clock is read after a synchronize, peaks are ``max_memory_allocated``, and each
+variant's achieved TFLOP/s (model FLOPs: ``4 B H S^2 D`` forward, twice that backward; a rank does 1/P of
+them) and its fraction of the GPU's datasheet peak are reported. Variants (per rank):
   ours       ulysses_sdpa_attention on [B, S/P, H, D] (exchange, local SDPA fwd+bwd, exchange)
   native     diffusers' own native Ulysses (unpatched: no sp_diffusers.install() in this process)
   floor      SDPA fwd+bwd of the local H/P heads over the full S on one process: the compute floor
@@ -23,7 +28,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import interleaved_times, max_over_ranks, peak_bytes, spawn, write_json
+from benchmarks._harness import (
+    achieved,
+    add_device_arguments,
+    device,
+    interleaved_times,
+    max_over_ranks,
+    peak_bytes,
+    spawn,
+    write_json,
+)
 
 TARGETS = {"ours/native": 0.75, "ours/floor": 1.08, "exchange/bare": 1.3}
 
@@ -32,13 +46,15 @@ def _parallel_config(world: int):
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    mesh = init_device_mesh(device().type, (1, world), mesh_dim_names=("ring", "ulysses"))
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=world))
-    config.setup(dist.get_rank(), world, torch.device("cpu"), mesh=mesh)
+    config.setup(dist.get_rank(), world, device(), mesh=mesh)
     return config
 
 
-def _variants(rank: int, world: int, S: int, heads: int, head_dim: int, batch: int, config) -> dict:
+def _variants(
+    rank: int, world: int, S: int, heads: int, head_dim: int, batch: int, config, dtype: torch.dtype
+) -> dict:
     """The benchmarked callables for one sequence length (inputs built once, outside the timing)."""
     from diffusers.models.attention_dispatch import _native_attention
 
@@ -47,7 +63,9 @@ def _variants(rank: int, world: int, S: int, heads: int, head_dim: int, batch: i
 
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(S)
-    q, k, v, dout = (torch.randn(batch, S, heads, head_dim, generator=g) for _ in range(4))
+    q, k, v, dout = (
+        torch.randn(batch, S, heads, head_dim, generator=g).to(device(), dtype) for _ in range(4)
+    )
     s_l, h_l = S // world, heads // world
     sl = slice(rank * s_l, (rank + 1) * s_l)
     local = [t[:, sl].contiguous() for t in (q, k, v, dout)]
@@ -55,8 +73,9 @@ def _variants(rank: int, world: int, S: int, heads: int, head_dim: int, batch: i
     floor = [t[:, :, rank * h_l : (rank + 1) * h_l].transpose(1, 2).contiguous() for t in (q, k, v, dout)]
     single = [t.transpose(1, 2).contiguous() for t in (q, k, v, dout)]
     # the attention output as SDPA leaves it for seq_to_heads' queries: [B, S, H/P, D] in [S, B, H/P, D] memory
-    o_heads = torch.randn(S, batch, h_l, head_dim, generator=g).transpose(0, 1)
-    send_qkv, send_out = torch.randn(3 * local[0].numel()), torch.randn(o_heads.numel())
+    o_heads = torch.randn(S, batch, h_l, head_dim, generator=g).to(device(), dtype).transpose(0, 1)
+    send_qkv = torch.empty(3 * local[0].numel(), device=device(), dtype=dtype)
+    send_out = torch.empty(o_heads.numel(), device=device(), dtype=dtype)
     recv_qkv, recv_out = torch.empty_like(send_qkv), torch.empty_like(send_out)
 
     def sp_fwd_bwd(fn):
@@ -86,23 +105,36 @@ def _variants(rank: int, world: int, S: int, heads: int, head_dim: int, batch: i
 
 
 def bench_rank(
-    rank: int, world: int, seq_lens: list[int], heads: int, head_dim: int, batch: int, repeats: int
+    rank: int,
+    world: int,
+    seq_lens: list[int],
+    heads: int,
+    head_dim: int,
+    batch: int,
+    repeats: int,
+    dtype_name: str = "fp32",
 ):
     import logging
 
     from diffusers.utils import logging as dlogging
 
     dlogging.set_verbosity(logging.ERROR)
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     config = _parallel_config(world)
     rows = []
     for S in seq_lens:
-        variants = _variants(rank, world, S, heads, head_dim, batch, config)
+        variants = _variants(rank, world, S, heads, head_dim, batch, config, dtype)
         # Round-robin: each repetition runs every variant once, so machine noise hits all of them alike.
         samples = interleaved_times(variants, repeats)
         row = {"S": S, "time_s": {n: max_over_ranks(t) for n, t in samples.items()}, "peak_mib": {}}
         for name in ("ours", "native", "floor", "single"):
             row["peak_mib"][name] = max_over_ranks(peak_bytes(variants[name]) / 2**20)
         t = row["time_s"]
+        flops = 3 * 4 * batch * heads * S * S * head_dim  # model FLOPs of one fwd+bwd over all heads
+        row["tflops_per_rank"] = {
+            name: achieved(flops / (1 if name == "single" else world), t[name], dtype)
+            for name in ("ours", "native", "floor", "single")
+        }
         row["ratios"] = {
             "ours/native": t["ours"] / t["native"],
             "ours/floor": t["ours"] / t["floor"],
@@ -152,12 +184,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    add_device_arguments(p)
     args = p.parse_args(argv)
-    rows = spawn(bench_rank, args.world, args.seq, args.heads, args.head_dim, args.batch, args.repeats)[0]
+    rows = spawn(
+        bench_rank,
+        args.world,
+        args.seq,
+        args.heads,
+        args.head_dim,
+        args.batch,
+        args.repeats,
+        args.dtype,
+        backend=args.backend,
+        device=args.device,
+    )[0]
     print(
-        f"\nattention fwd+bwd, {args.world} ranks x 1 thread, B={args.batch} H={args.heads} D={args.head_dim} fp32"
+        f"\nattention fwd+bwd, {args.world} ranks ({args.backend}, {args.device}), B={args.batch} H={args.heads} "
+        f"D={args.head_dim} {args.dtype}"
     )
     print(
         f"{'S':>6} | {'single':>8} {'native':>8} {'ours':>8} {'floor':>8} ms | {'ours/native':>11} "
@@ -170,6 +216,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['floor'] * 1e3:8.1f}    | {q['ours/native']:11.3f} {q['ours/floor']:10.3f} {q['exchange/bare']:9.3f} | "
             f"{m['ours']:.1f} / {m['native']:.1f} / {m['single']:.1f}"
         )
+    if args.device == "cuda":
+        for r in rows:
+            rate = r["tflops_per_rank"]
+            print(
+                f"  S={r['S']}: TFLOP/s per rank (fraction of peak) "
+                + ", ".join(
+                    f"{n} {v['tflops']:.1f}"
+                    + (f" ({v['fraction_of_peak']:.2f})" if v["fraction_of_peak"] else "")
+                    for n, v in rate.items()
+                )
+            )
     print("targets at S=4096: " + ", ".join(f"{k} <= {v}" for k, v in TARGETS.items()))
     write_json(args.json, {"args": vars(args), "targets": TARGETS, "rows": rows})
     if args.plot:

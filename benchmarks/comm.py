@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import spawn, write_json
+from benchmarks._harness import add_device_arguments, device, spawn, write_json
 
 
 class _Counter:
@@ -143,11 +143,14 @@ def count_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, batch
     from sp_diffusers.attention import ulysses_sdpa_attention
 
     dlogging.set_verbosity(logging.ERROR)
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    dev = device()
+    mesh = init_device_mesh(dev.type, (1, world), mesh_dim_names=("ring", "ulysses"))
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=world))
-    config.setup(rank, world, torch.device("cpu"), mesh=mesh)
-    q, k, v = (torch.randn(batch, seq // world, heads, head_dim, requires_grad=True) for _ in range(3))
-    mask = torch.ones(batch, seq // world, dtype=torch.bool)
+    config.setup(rank, world, dev, mesh=mesh)
+    q, k, v = (
+        torch.randn(batch, seq // world, heads, head_dim, device=dev, requires_grad=True) for _ in range(3)
+    )
+    mask = torch.ones(batch, seq // world, dtype=torch.bool, device=dev)
     out = {}
     for name, fn, kw in (
         ("ours", ulysses_sdpa_attention, {}),
@@ -179,13 +182,25 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--world", type=int, nargs="+", default=[2, 4])
     p.add_argument("--json", default=None)
+    add_device_arguments(
+        p
+    )  # bytes only (no clock): the device changes where the buffers live, not the counts
     args = p.parse_args(argv)
     rows = []
     print(
         f"bytes per rank per attention layer, S={args.seq} H={args.heads} D={args.head_dim} B={args.batch} fp32"
     )
     for world in args.world:
-        counts = spawn(count_rank, world, args.seq, args.heads, args.head_dim, args.batch)[0]
+        counts = spawn(
+            count_rank,
+            world,
+            args.seq,
+            args.heads,
+            args.head_dim,
+            args.batch,
+            backend=args.backend,
+            device=args.device,
+        )[0]
         minimum = 4 * args.batch * args.seq * args.heads * args.head_dim * 4 * (world - 1) // world**2
         for name, c in counts.items():
             row = {

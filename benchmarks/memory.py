@@ -13,22 +13,17 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _dit
-from benchmarks._harness import peak_bytes, spawn, write_json
+from benchmarks._harness import add_device_arguments, device, max_over_ranks, peak_bytes, spawn, write_json
 
 FRAME = 256  # tokens per frame of the 32x32 latent
 
 
 def _peak(model, s: int) -> float:
-    x = _dit.inputs(s)
+    x = _dit.inputs(s, device=device())
     _dit.fwd_bwd(model, x)  # warm caches/buffers out of the measurement
-    value = torch.tensor([peak_bytes(lambda: _dit.fwd_bwd(model, x)) / 2**20], dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.item()
+    return max_over_ranks(peak_bytes(lambda: _dit.fwd_bwd(model, x)) / 2**20)  # GPU: max_memory_allocated
 
 
 def _largest(model, budget: float, start: int, limit: int) -> int:
@@ -55,7 +50,7 @@ def memory_rank(rank: int, world: int, tokens: list[int], budget: float, limit: 
 
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore")
-    model = _dit.build()
+    model = _dit.build().to(device())
     sp = _dit.sp_copy(model, world)
     rows = [{"tokens": s, "P1_mib": _peak(model, s), "P2_mib": _peak(sp, s)} for s in tokens]
     for r in rows:
@@ -70,8 +65,11 @@ def main(argv=None) -> int:
     p.add_argument("--budget-mib", type=float, default=256.0)
     p.add_argument("--limit", type=int, default=32768, help="largest S tried in the budget search")
     p.add_argument("--json", default=None)
+    add_device_arguments(p)
     args = p.parse_args(argv)
-    out = spawn(memory_rank, 2, args.tokens, args.budget_mib, args.limit)[0]
+    out = spawn(
+        memory_rank, 2, args.tokens, args.budget_mib, args.limit, backend=args.backend, device=args.device
+    )[0]
     print("\nper-rank peak MiB, fwd+bwd, Wan-shaped DiT, fp32")
     for r in out["rows"]:
         print(f"  S={r['tokens']:6d}  P=1 {r['P1_mib']:8.1f}  P=2 {r['P2_mib']:8.1f}  ratio {r['ratio']:.3f}")

@@ -15,11 +15,19 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _dit
-from benchmarks._harness import interleaved_times, spawn, write_json
+from benchmarks._harness import (
+    achieved,
+    add_device_arguments,
+    count_flops,
+    device,
+    interleaved_times,
+    max_over_ranks,
+    spawn,
+    write_json,
+)
 
 
 def scaling_rank(rank: int, world: int, tokens: list[int], repeats: int) -> list[dict]:
@@ -30,23 +38,30 @@ def scaling_rank(rank: int, world: int, tokens: list[int], repeats: int) -> list
 
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore")
-    model = _dit.build()
+    model = _dit.build().to(device())
     sp = _dit.sp_copy(model, world)
     rows = []
     for s in tokens:
-        x = _dit.inputs(s)
+        x = _dit.inputs(s, device=device())
         times = interleaved_times(
             {"P1": lambda x=x: _dit.fwd_bwd(model, x), f"P{world}": lambda x=x: _dit.fwd_bwd(sp, x)}, repeats
         )
-        t = torch.tensor([times["P1"], times[f"P{world}"]], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t1, tp = max_over_ranks(times["P1"]), max_over_ranks(times[f"P{world}"])
+        flops = count_flops(lambda x=x: _dit.fwd_bwd(model, x))  # the whole model's; a rank of P does 1/P
         rows.append(
             {
                 "tokens": s,
-                "T1": t[0].item(),
-                "TP": t[1].item(),
+                "T1": t1,
+                "TP": tp,
                 "P": world,
-                "efficiency": t[0].item() / (world * t[1].item()),
+                "efficiency": t1 / (world * tp),
+                "tflops_per_rank": {
+                    "P1": achieved(flops, t1, torch.float32),
+                    "PP": achieved(flops / world, tp, torch.float32),
+                },
+                "max_memory_allocated": torch.cuda.max_memory_allocated()
+                if device().type == "cuda"
+                else None,
             }
         )
     return rows
@@ -58,16 +73,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    add_device_arguments(p)
     args = p.parse_args(argv)
-    rows = spawn(scaling_rank, 2, args.tokens, args.repeats)[0]
+    rows = spawn(scaling_rank, 2, args.tokens, args.repeats, backend=args.backend, device=args.device)[0]
     print(
         f"\nWan-shaped DiT ({_dit.LAYERS} layers, {_dit.HEADS}x{_dit.HEAD_DIM} heads, FFN {_dit.FFN}), fwd+bwd, fp32"
     )
     prev = None
     for r in rows:
         growth = f"  T1 x{r['T1'] / prev['T1']:.2f} for S x{r['tokens'] / prev['tokens']:.0f}" if prev else ""
+        rate = r["tflops_per_rank"]
         print(
             f"  S={r['tokens']:6d}  T1 {r['T1']:.3f}s  T2 {r['TP']:.3f}s  efficiency {r['efficiency']:.3f}{growth}"
+            f"  TFLOP/s per rank P1 {rate['P1']['tflops']:.3g} P2 {rate['PP']['tflops']:.3g}"
         )
         prev = r
     print("target: efficiency >= 0.93 at S >= 8192, P = 2")

@@ -23,7 +23,16 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import peak_bytes, spawn, write_json
+from benchmarks._harness import (
+    achieved,
+    add_device_arguments,
+    count_flops,
+    max_over_ranks,
+    peak_bytes,
+    spawn,
+    synchronize,
+    write_json,
+)
 
 
 def _make(args, backend: str):
@@ -65,9 +74,11 @@ def _data(trainer, samples: int):
     batch = trainer.engine.prepare_batch(
         {"prompts": prompts, "prompt_embeds": embeds, "prompt_embeds_mask": masks, "shuffle_seed": 1}
     )
-    latents = torch.randn(samples, 3, *trainer.adapter.latent_shape(samples)[1:], generator=g)
-    traj = Trajectory(latents, torch.zeros(samples, 2), 1, latents[:, -1])
-    return batch, traj, torch.randn(samples, generator=g), torch.zeros(samples, 2)
+    device = trainer.engine.device
+    latents = torch.randn(samples, 3, *trainer.adapter.latent_shape(samples)[1:], generator=g).to(device)
+    traj = Trajectory(latents, torch.zeros(samples, 2, device=device), 1, latents[:, -1])
+    advantages = torch.randn(samples, generator=g).to(device)
+    return batch, traj, advantages, torch.zeros(samples, 2, device=device)
 
 
 def bench_rank(rank: int, world: int, args) -> dict:
@@ -93,18 +104,18 @@ def bench_rank(rank: int, world: int, args) -> dict:
     samples = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name in variants:
+            synchronize()
             dist.barrier()
             t = time.perf_counter()
             step(name)
+            synchronize()
             samples[name].append(time.perf_counter() - t)
-    out = {"time_s": {}, "peak_mib": {}}
+    out = {"time_s": {}, "peak_mib": {}, "tflops_per_rank": {}}
     for name in variants:
-        t = torch.tensor([statistics.median(samples[name])], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out["time_s"][name] = t.item()
-        m = torch.tensor([peak_bytes(lambda name=name: step(name)) / 2**20], dtype=torch.float64)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX)
-        out["peak_mib"][name] = m.item()
+        out["time_s"][name] = max_over_ranks(statistics.median(samples[name]))
+        out["peak_mib"][name] = max_over_ranks(peak_bytes(lambda name=name: step(name)) / 2**20)
+        flops = count_flops(lambda name=name: step(name))  # this rank's: its shard of the sequence
+        out["tflops_per_rank"][name] = achieved(flops, out["time_s"][name], torch.float32)
     return out
 
 
@@ -121,10 +132,18 @@ def single_rank(rank: int, world: int, args) -> dict:
     trainer.update(*data)
     times = []
     for _ in range(args.repeats):
+        synchronize()
         t = time.perf_counter()
         trainer.update(*data)
+        synchronize()
         times.append(time.perf_counter() - t)
-    return {"time_s": statistics.median(times), "peak_mib": peak_bytes(lambda: trainer.update(*data)) / 2**20}
+    seconds = statistics.median(times)
+    flops = count_flops(lambda: trainer.update(*data))
+    return {
+        "time_s": seconds,
+        "peak_mib": peak_bytes(lambda: trainer.update(*data)) / 2**20,
+        "tflops": achieved(flops, seconds, torch.float32),
+    }
 
 
 def main(argv=None) -> int:
@@ -134,20 +153,26 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
+    add_device_arguments(p)
     args = p.parse_args(argv)
-    sp = spawn(bench_rank, 2, args)[0]
-    one = spawn(single_rank, 1, args)[0]
+    sp = spawn(bench_rank, 2, args, backend=args.backend, device=args.device)[0]
+    one = spawn(single_rank, 1, args, backend=args.backend, device=args.device)[0]
     t = sp["time_s"]
     rate = {k: args.samples / v for k, v in t.items()}
     rate["one_process"] = args.samples / one["time_s"]
     tokens = (args.image_size // 2) ** 2
     print(
         f"\nFlowGRPO update, tiny Qwen-Image ({args.layers} layers, {tokens} image tokens), {args.samples} samples, "
-        "2 micro-batches x 2 window steps, fp32, gloo, 1 thread per rank"
+        f"2 micro-batches x 2 window steps, fp32, {args.backend} on {args.device}"
     )
     for name in ("one_process", "verl_omni_style", "ours"):
         mem = one["peak_mib"] if name == "one_process" else sp["peak_mib"][name]
-        print(f"  {name:<16} {rate[name]:7.2f} samples/s   peak {mem:6.1f} MiB per rank")
+        tf = one["tflops"] if name == "one_process" else sp["tflops_per_rank"][name]
+        frac = f" ({tf['fraction_of_peak']:.2f} of peak)" if tf["fraction_of_peak"] else ""
+        print(
+            f"  {name:<16} {rate[name]:7.2f} samples/s   peak {mem:6.1f} MiB per rank   "
+            f"{tf['tflops']:.3g} TFLOP/s per rank{frac}"
+        )
     print(f"  ours / verl-omni-style: {rate['ours'] / rate['verl_omni_style']:.3f}x (target >= 1.25)")
     print(f"  ours / one process:     {rate['ours'] / rate['one_process']:.3f}x")
     write_json(args.json, {"args": vars(args), "sp": sp, "one_process": one, "samples_per_s": rate})

@@ -22,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import interleaved_times, max_over_ranks, spawn, write_json
+from benchmarks._harness import (
+    achieved,
+    add_device_arguments,
+    device,
+    interleaved_times,
+    max_over_ranks,
+    spawn,
+    write_json,
+)
 
 TARGETS = {"even/before": 1.03, "uneven/even": 1.05}
 
@@ -47,14 +55,14 @@ def bench_rank(
 
     from sp_diffusers.attention import ulysses_sdpa_attention
 
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("ring", "ulysses"))
+    mesh = init_device_mesh(device().type, (1, world), mesh_dim_names=("ring", "ulysses"))
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=world))
-    config.setup(rank, world, torch.device("cpu"), mesh=mesh)
+    config.setup(rank, world, device(), mesh=mesh)
     before = _load_tree(before_tree).ulysses_sdpa_attention if before_tree else None
     rows = []
     for S in seq_lens:
         g = torch.Generator().manual_seed(S)
-        full = [torch.randn(1, S, 8, 64, generator=g) for _ in range(4)]
+        full = [torch.randn(1, S, 8, 64, generator=g).to(device()) for _ in range(4)]
 
         def local(length: int, full=full) -> list[torch.Tensor]:
             return [t[:, :length].tensor_split(world, dim=1)[rank].contiguous() for t in full]
@@ -75,7 +83,9 @@ def bench_rank(
         ratios = {"uneven/even": t["uneven"] / t["even"]}
         if before is not None:
             ratios["even/before"] = t["even"] / t["before"]
-        rows.append({"S": S, "time_s": t, "ratios": ratios})
+        flops = 3 * 4 * 8 * S * S * 64 / world  # model FLOPs of one fwd+bwd, this rank's share
+        rate = {n: achieved(flops, v, torch.float32) for n, v in t.items()}
+        rows.append({"S": S, "time_s": t, "ratios": ratios, "tflops_per_rank": rate})
         dist.barrier()
     return rows
 
@@ -89,8 +99,17 @@ def main(argv: list[str] | None = None) -> int:
         "--before-tree", default=None, help="a checkout of an earlier sp-diffusers (its sp_diffusers/)"
     )
     p.add_argument("--json", default=None)
+    add_device_arguments(p)
     args = p.parse_args(argv)
-    rows = spawn(bench_rank, args.world, args.seq, args.repeats, args.before_tree)[0]
+    rows = spawn(
+        bench_rank,
+        args.world,
+        args.seq,
+        args.repeats,
+        args.before_tree,
+        backend=args.backend,
+        device=args.device,
+    )[0]
     print(
         f"\nulysses_sdpa fwd+bwd, {args.world} ranks x 1 thread, B=1 H=8 D=64 fp32, median of {args.repeats}"
     )

@@ -28,7 +28,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import interleaved_times, max_over_ranks, memory_profile, spawn, write_json
+from benchmarks._harness import (
+    achieved,
+    add_device_arguments,
+    device,
+    interleaved_times,
+    max_over_ranks,
+    memory_profile,
+    spawn,
+    write_json,
+)
 from benchmarks.comm import _Counter, counting
 
 LAYOUTS = ((4, 1), (2, 2), (1, 4))  # (ulysses, ring)
@@ -55,7 +64,7 @@ def bench_rank(rank: int, world: int, seqs: list[int], heads: int, head_dim: int
         config = ParallelConfig(
             context_parallel_config=ContextParallelConfig(ulysses_degree=u, ring_degree=r)
         )
-        config.setup(rank, world, torch.device("cpu"), mesh=mesh)
+        config.setup(rank, world, device(), mesh=mesh)
         configs[(u, r)] = config
 
     rows = []
@@ -70,7 +79,7 @@ def _bench_seq(
     from sp_diffusers import attention
 
     g = torch.Generator().manual_seed(S)
-    full = [torch.randn(1, S, heads, head_dim, generator=g) for _ in range(4)]
+    full = [torch.randn(1, S, heads, head_dim, generator=g).to(device()) for _ in range(4)]
     s_l = S // world
     q, k, v, dout = (t[:, rank * s_l : (rank + 1) * s_l].contiguous() for t in full)
     inputs = [t.requires_grad_(True) for t in (q, k, v)]
@@ -110,11 +119,14 @@ def _bench_seq(
         )
         backward(outputs.pop(), allgather)
         peak, _ = memory_profile(steps[name])
+        seconds = max_over_ranks(times[name])
+        flops = 3 * 4 * heads * S * S * head_dim / world  # model FLOPs of one fwd+bwd, this rank's share
         rows.append(
             {
                 "S": S,
                 "variant": name,
-                "seconds": max_over_ranks(times[name]),
+                "tflops_per_rank": achieved(flops, seconds, torch.float32),
+                "seconds": seconds,
                 "fwd_bytes": int(max_over_ranks(fwd.bytes)),
                 "bwd_bytes": int(max_over_ranks(bwd.bytes)),
                 "fwd_calls": fwd.calls,
@@ -170,6 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--replot", default=None, help="only redraw --plot from this --json file")
+    add_device_arguments(p)
     args = p.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -180,7 +193,16 @@ def main(argv=None) -> int:
             p.error(f"--seq {s}: must be divisible by the 4 ranks (e.g. {s - s % 4 + 4})")
     if args.heads % 4:
         p.error(f"--heads {args.heads}: Ulysses degree 4 needs heads divisible by 4 (e.g. 8)")
-    rows = spawn(bench_rank, 4, args.seq, args.heads, args.head_dim, args.repeats)[0]
+    rows = spawn(
+        bench_rank,
+        4,
+        args.seq,
+        args.heads,
+        args.head_dim,
+        args.repeats,
+        backend=args.backend,
+        device=args.device,
+    )[0]
     print(f"4 ranks x 1 thread, H={args.heads} D={args.head_dim} B=1 fp32; ratios vs U4xR1 at the same S")
     for S in args.seq:
         base = next(r for r in rows if r["S"] == S and r["variant"] == "U4xR1")

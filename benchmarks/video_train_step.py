@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import peak_bytes, write_json
+from benchmarks._harness import add_device_arguments, peak_bytes, synchronize, write_json
 
 # a narrow Wan: 2 heads x 16 (the 3-axis RoPE needs head_dim >= 6), hidden 32
 NARROW = dict(
@@ -87,8 +87,9 @@ def _data(trainer) -> tuple:
         {"prompts": prompts, **trainer.text_encoder.encode_batch(prompts), "shuffle_seed": 1}
     )
     shape = trainer.adapter.latent_shape(1)
-    latents = torch.randn(1, 3, *shape[1:], generator=g)
-    traj = Trajectory(latents, torch.zeros(1, 2), 1, latents[:, -1])
+    device = trainer.engine.device
+    latents = torch.randn(1, 3, *shape[1:], generator=g).to(device)
+    traj = Trajectory(latents, torch.zeros(1, 2, device=device), 1, latents[:, -1])
     with trainer.engine.eval_mode():  # on-policy old log-probs: real, unclipped gradients
         old = torch.stack(
             [
@@ -107,14 +108,19 @@ def _data(trainer) -> tuple:
             ],
             dim=1,
         )
-    return batch, traj, torch.ones(1), old
+    return batch, traj, torch.ones(1, device=device), old
 
 
-def _worker(rank: int, world: int, init: str, args, inbox, outbox) -> None:
+def _worker(rank: int, world: int, init: str, args, inbox, outbox, gpu: int = 0) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["SP_BENCH_DEVICE"] = args.device
+    if args.device == "cuda":
+        torch.cuda.set_device(gpu % torch.cuda.device_count())
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
+        args.backend,
         init_method=f"file://{init}",
         rank=rank,
         world_size=world,
@@ -151,8 +157,10 @@ def _worker(rank: int, world: int, init: str, args, inbox, outbox) -> None:
             kind, name = cmd
             dist.barrier()
             if kind == "time":
+                synchronize()
                 t = time.perf_counter()
                 step(name)
+                synchronize()
                 outbox.put((rank, name, time.perf_counter() - t))
             else:
                 mib = peak_bytes(lambda name=name: step(name)) / 2**20
@@ -180,10 +188,11 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         sp_out, one_out = ctx.Queue(), ctx.Queue()
         sp_in, one_in = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()]
+        # GPUs: the SP ranks on GPUs 0 and 1, the one-process runs on 2 and 3 (modulo the GPUs there are)
         procs = [
-            ctx.Process(target=_worker, args=(r, 2, f"{tmp}/sp", args, sp_in[r], sp_out)) for r in range(2)
+            ctx.Process(target=_worker, args=(r, 2, f"{tmp}/sp", args, sp_in[r], sp_out, r)) for r in range(2)
         ] + [
-            ctx.Process(target=_worker, args=(0, 1, f"{tmp}/one{i}", args, one_in[i], one_out))
+            ctx.Process(target=_worker, args=(0, 1, f"{tmp}/one{i}", args, one_in[i], one_out, 2 + i))
             for i in range(2)
         ]
         for p in procs:
@@ -234,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
+    add_device_arguments(p)
     args = p.parse_args(argv)
     out = run(args)
     mem = out["peak_mib_per_rank"]
@@ -241,7 +251,8 @@ def main(argv=None) -> int:
     t = out["time_s"]
     print(
         f"\nFlowGRPO update, narrow Wan ({args.layers} layers, 2 heads x 16), {out['tokens']} video tokens "
-        f"({args.frames} x {args.size // 2} x {args.size // 2}), 1 video, 2 window steps, fp32, gloo, 1 thread per rank"
+        f"({args.frames} x {args.size // 2} x {args.size // 2}), 1 video, 2 window steps, fp32, {args.backend} on "
+        f"{args.device}"
     )
     for name in ("one_process", "verl_omni_style", "ours"):
         print(

@@ -103,7 +103,12 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="sp-fault-"))
 
     reference = work / "uninterrupted"
-    subprocess.run(_command(reference, args, 0), cwd=ROOT, env=env, check=True, capture_output=True)
+    done = subprocess.run(_command(reference, args, 0), cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        # The reference run's own output is the only clue to why it failed: keep its tail in the error.
+        raise SystemExit(
+            f"the uninterrupted run exited with {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+        )
 
     faulty = work / "killed"
     killed_at, victim = None, None

@@ -6,9 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR}"
+SP_TORCH=system SP_VENV=${SP_VENV:-.venv-gpu} bash scripts/setup.sh  # keeps this machine's CUDA torch
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 SP=${SP:-2}
-exec torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
+exec "${SP_VENV:-.venv-gpu}/bin/torchrun" --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv_id "${RDZV_ID:-sp-diffusers}" \
   -m sp_diffusers.cli train --config examples/configs/tiny_qwenimage_sp2.yaml \
   --set parallel.ulysses_sequence_parallel_size="$SP" --set parallel.mixed_precision=bf16 \

@@ -7,9 +7,10 @@
 # Ulysses x Ring beyond 24-way: add --set parallel.ring_degree=2 (SP = ulysses x ring).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SP_TORCH=system SP_VENV=${SP_VENV:-.venv-gpu} bash scripts/setup.sh  # keeps this machine's CUDA torch
 : "${PIPELINE:?set PIPELINE to a stable-diffusion-3.5-medium folder (diffusers layout)}"
 NGPUS=${NGPUS:-$(nvidia-smi -L | wc -l)}
-exec torchrun --standalone --nproc_per_node "$NGPUS" -m sp_diffusers.cli train \
+exec "${SP_VENV:-.venv-gpu}/bin/torchrun" --standalone --nproc_per_node "$NGPUS" -m sp_diffusers.cli train \
   --config examples/configs/tiny_sd3_sp2.yaml --pretrained "$PIPELINE/transformer" \
   --set text.pipeline="$PIPELINE" --set text.max_sequence_length=256 \
   --set parallel.ulysses_sequence_parallel_size="${SP:-2}" --set parallel.mixed_precision=bf16 \

@@ -1,7 +1,8 @@
 """The ``sp-diffusers`` command (also ``python -m sp_diffusers.cli``).
 
-Commands: ``train`` (FlowGRPO under FSDP2 + Ulysses SP from a YAML config), ``demo`` (a tiny model's forward
-and backward under SP against one process), ``report`` (what ``install()`` does with this diffusers). ``train``
+Commands: ``train`` (FlowGRPO under FSDP2 + Ulysses SP from a YAML config), ``export`` (a run's weights in
+diffusers' formats), ``sample`` (render prompts under SP: PNG / MP4), ``demo`` (a tiny model's forward and backward
+under SP against one process), ``report`` (what ``install()`` does with this diffusers). ``train``
 and ``demo`` run under a launcher: ``torchrun --nproc_per_node 2 -m sp_diffusers.cli train ...`` or, with the
 console script, ``torchrun --nproc_per_node 2 --no-python sp-diffusers train ...``.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 DESCRIPTION = (
     "Exact Ulysses sequence parallelism for diffusers transformers. Run train/demo under torchrun: "
@@ -109,6 +111,75 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """``sp-diffusers export --run RUN_DIR --out DIR``: the run's weights in diffusers' formats (one process)."""
+    from .flowgrpo.export import export_run
+
+    result = export_run(args.run, args.out, step=args.step, dtype=args.dtype)
+    for name, folder in result.transformers.items():
+        print(f"{name}: {folder} (save_pretrained{', LoRA merged' if result.loras else ''})")
+    for name, file in result.loras.items():
+        print(f"{name} LoRA: {file} (load_lora_weights / load_lora_adapter)")
+    if result.pipeline is not None:
+        print(f"pipeline: {result.pipeline} (DiffusionPipeline.from_pretrained)")
+    print(f"from checkpoint {result.step} of {args.run}")
+    return 0
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, help="a training run's out_dir (config.json + checkpoints/)")
+    p.add_argument("--out", required=True, help="the folder to write (created)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
+    p.add_argument(
+        "--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="weights' dtype on disk (default fp32)"
+    )
+    p.set_defaults(func=_export)
+
+
+def _sample(args: argparse.Namespace) -> int:
+    """``sp-diffusers sample --pipeline DIR --prompt ... --out x.png|x.mp4 [--ulysses 2]``."""
+    from .flowgrpo.sample import render
+
+    path = render(
+        args.pipeline,
+        args.prompt,
+        args.out,
+        lora=args.lora,
+        lora_2=args.lora_2,
+        ulysses=args.ulysses,
+        steps=args.steps,
+        height=args.height,
+        width=args.width,
+        frames=args.frames,
+        guidance=args.guidance,
+        seed=args.seed,
+        dtype=args.dtype,
+        max_sequence_length=args.max_sequence_length,
+    )
+    if path is not None:
+        note = " (no MP4 writer: pip install imageio imageio-ffmpeg)" if path.suffix != Path(args.out).suffix else ""
+        print(f"wrote {path}{note}")
+    return 0
+
+
+def _sample_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pipeline", required=True, help="a diffusers pipeline folder (e.g. what `export` wrote)")
+    p.add_argument("--prompt", required=True, action="append", help="a prompt (repeat for several, tiled)")
+    p.add_argument("--out", required=True, help="x.png (images) or x.mp4 / x.gif (videos)")
+    p.add_argument("--lora", default=None, help="a LoRA .safetensors for the transformer (load_lora_weights)")
+    p.add_argument("--lora-2", default=None, help="Wan2.2: a LoRA .safetensors for transformer_2")
+    p.add_argument("--ulysses", type=int, default=1, help="Ulysses degree (run under torchrun with that many)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--frames", type=int, default=None, help="video frames (Wan; default: the pipeline's)")
+    p.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the pipeline's)")
+    p.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the pipeline's)")
+    p.add_argument("--seed", type=int, default=0, help="the noise seed (the same on every rank)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the pipeline's dtype")
+    p.set_defaults(func=_sample)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run
 
@@ -169,6 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(p_demo)
     p_demo.set_defaults(func=_demo)
+    _export_arguments(
+        sub.add_parser(
+            "export",
+            help="write a run's trained weights in diffusers' formats (transformer/, LoRA file, pipeline folder)",
+            description="From a checkpoint of any layout, one process: DIR/transformer (save_pretrained, LoRA "
+            "merged), DIR/pytorch_lora_weights.safetensors for LoRA runs, and with model.pipeline the whole pipeline.",
+        )
+    )
+    _sample_arguments(
+        sub.add_parser(
+            "sample",
+            help="render prompts with a pipeline folder (+ LoRA) under Ulysses SP: PNG, or MP4/GIF for video",
+            description="Under torchrun with --ulysses N for SP (N processes), else one process.",
+        )
+    )
     p_report = sub.add_parser("report", help="print what install() applies for the installed diffusers")
     p_report.set_defaults(func=_report)
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from . import exit_hook
 from .compat import check_supported
 from .registry import BACKEND_NAME, register_backend, unregister_backend
 
@@ -58,7 +59,8 @@ def install() -> InstallReport:
     """Register ``ulysses_sdpa`` with diffusers and apply the patches the installed version needs.
 
     Idempotent: a second call changes nothing and returns the same report. Importing ``sp_diffusers``
-    patches nothing; only this call does.
+    patches nothing; only this call does. It also registers an exit hook that joins gloo's worker threads
+    before the interpreter finalizes (``sp_diffusers.exit_hook``).
     """
     global _report
     with _lock:
@@ -86,6 +88,7 @@ def install() -> InstallReport:
             unregister_backend()
             raise
         _report = InstallReport(str(version), BACKEND_NAME, tuple(statuses), tuple(plan_statuses))
+        exit_hook.register()  # a gloo rank that ends right after its last collective must not abort at exit
         return _report
 
 
@@ -129,6 +132,7 @@ def uninstall() -> None:
         for patch in reversed(ALL_PATCHES):
             patch.revert()
         unregister_backend()
+        exit_hook.unregister()
         _report = None
 
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .devices import to_device
+
 __all__ = ["PaddingError", "pad_text_batch", "pad_to_multiple", "round_up", "strip_padding"]
 
 
@@ -61,7 +63,7 @@ def pad_text_batch(
                 f"{name}_mask shape {got} does not match {name} shape {tuple(embeds.shape)}: expected "
                 f"{tuple(embeds.shape[:2])}; fix: pass the mask that came with these embeddings"
             )
-        dense, dense_mask = embeds, mask.to(torch.bool)
+        dense, dense_mask = embeds, to_device(mask, embeds.device).to(torch.bool)
         dense = dense.masked_fill(~dense_mask[..., None], 0)
     else:
         items = list(embeds)
@@ -72,7 +74,11 @@ def pad_text_batch(
             raise PaddingError(
                 f"{name} list items must all be [L_i, D] with one D, got {[tuple(t.shape) for t in items]}"
             )
-        masks = list(mask) if mask is not None else [torch.ones(t.shape[0], dtype=torch.bool) for t in items]
+        masks = (
+            list(mask)
+            if mask is not None
+            else [torch.ones(t.shape[0], dtype=torch.bool, device=t.device) for t in items]
+        )
         if len(masks) != len(items) or any(
             m.shape != t.shape[:1] for m, t in zip(masks, items, strict=False)
         ):
@@ -84,8 +90,9 @@ def pad_text_batch(
         dense = items[0].new_zeros((len(items), longest, items[0].shape[-1]))
         dense_mask = torch.zeros((len(items), longest), dtype=torch.bool, device=items[0].device)
         for i, (t, m) in enumerate(zip(items, masks, strict=True)):
-            dense[i, : t.shape[0]] = t.masked_fill(~m.to(torch.bool)[:, None], 0)
-            dense_mask[i, : t.shape[0]] = m.to(torch.bool)
+            keep = to_device(m, dense.device).to(torch.bool)
+            dense[i, : t.shape[0]] = to_device(t, dense.device).masked_fill(~keep[:, None], 0)
+            dense_mask[i, : t.shape[0]] = keep
     return pad_to_multiple(dense, multiple, 1, 0), pad_to_multiple(dense_mask, multiple, 1, False)
 
 

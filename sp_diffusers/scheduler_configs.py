@@ -43,6 +43,17 @@ SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_dynamic_shifting": True,
     },
     "wan": _WAN_UNIPC,
+    # black-forest-labs/FLUX.1-dev scheduler_config.json (FluxPipeline passes linspace(1, 1/N, N) and mu)
+    "flux": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "base_image_seq_len": 256,
+        "base_shift": 0.5,
+        "max_image_seq_len": 4096,
+        "max_shift": 1.15,
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "use_dynamic_shifting": True,
+    },
 }
 
 

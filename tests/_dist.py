@@ -1,5 +1,8 @@
 """Run a function on N real processes (gloo, spawn), collect what each rank returns, never hang.
 
+The backend and device come from the environment (``SP_TEST_BACKEND``, ``SP_TEST_DEVICE``; gloo and the CPU
+by default, which is what CI runs): see :func:`backend_and_device`.
+
 Workers are named ``"package.module:function"`` and imported in the child after ``sys_path`` entries are
 prepended, so a child can run against another diffusers version (the compatibility matrix) than the
 parent pytest process has imported. Every collective runs under the process-group timeout, and the
@@ -26,6 +29,23 @@ class DistributedFailure(AssertionError):
     pass
 
 
+def backend_and_device():
+    """The process-group backend and the device of the ranks: ``SP_TEST_BACKEND`` (default gloo) and
+    ``SP_TEST_DEVICE`` (default cpu; ``cuda`` puts rank r on GPU r mod the GPU count). Workers that create
+    tensors on purpose read the device from :func:`rank_device`."""
+    import torch
+
+    return os.environ.get("SP_TEST_BACKEND", "gloo"), torch.device(os.environ.get("SP_TEST_DEVICE", "cpu"))
+
+
+def rank_device():
+    """The device a worker's tensors go on (``SP_TEST_DEVICE``; the current GPU for ``cuda``)."""
+    import torch
+
+    device = backend_and_device()[1]
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
+
+
 def _child(
     rank: int, world: int, init_file: str, target: str, args: tuple, sys_path: Sequence[str], env: dict, q
 ) -> None:
@@ -41,8 +61,12 @@ def _child(
         # order than the parallel runs they are compared with; the tolerances must absorb it)
         threads = os.environ.get("SP_TEST_REF_THREADS") if world == 1 else None
         torch.set_num_threads(int(threads or os.environ.get("SP_TEST_THREADS", "1")))
+        backend, device = backend_and_device()
+        if device.type == "cuda":
+            # ranks beyond the visible GPUs share them (gloo ranks sharing cuda:0; NCCL refuses that)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world,

@@ -330,10 +330,10 @@ CASES = [
     (
         "adapter_for_unsupported_model",
         lambda mp, tp: __import__("sp_diffusers.flowgrpo.models", fromlist=["x"]).build_adapter(
-            __import__("sp_diffusers.tiny", fromlist=["x"]).tiny_model("flux"), 8
+            __import__("sp_diffusers.tiny", fromlist=["x"]).tiny_model("cogvideox"), 8
         ),
         ValueError,
-        ["FluxTransformer2DModel", "QwenImageTransformer2DModel"],
+        ["CogVideoXTransformer3DModel", "QwenImageTransformer2DModel", "FluxTransformer2DModel"],
     ),
     (
         "tiny_model_unknown_kind",

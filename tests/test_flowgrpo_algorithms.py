@@ -22,8 +22,8 @@ from sp_diffusers.flowgrpo.pipeline_schedule import (
     load_scheduler_config,
     pipeline_schedule,
 )
+from sp_diffusers.flowgrpo.sde import StepRule, cps_step_with_logprob, dance_step_with_logprob
 from sp_diffusers.flowgrpo.selection import kept_samples
-from sp_diffusers.flowgrpo.steps import StepRule, cps_step_with_logprob, dance_step_with_logprob
 
 F64 = 1e-10
 
@@ -254,8 +254,8 @@ def test_linspace_schedule_is_dance_grpos():
 
 
 def test_schedule_errors_name_the_key(tmp_path):
-    with pytest.raises(ValueError, match=r"model\.kind='flux'.*flowgrpo\.schedule=linspace"):
-        pipeline_schedule("flux", 8)
+    with pytest.raises(ValueError, match=r"model\.kind='hunyuanvideo'.*flowgrpo\.schedule=linspace"):
+        pipeline_schedule("hunyuanvideo", 8)
     with pytest.raises(ValueError, match=r"flowgrpo\.shift=2.0 has no effect"):
         pipeline_schedule("qwenimage", 8, image_seq_len=16, shift=2.0)
     with pytest.raises(ValueError, match="DDIMScheduler"):

@@ -87,8 +87,8 @@ def test_pipeline_errors_name_the_key(tmp_path, pipeline_dir):
 
     with pytest.raises(FileNotFoundError, match=r"text\.pipeline=.*no model_index\.json"):
         PipelineTextEncoder(str(tmp_path))
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
-    with pytest.raises(ValueError, match=r"is a QwenImagePipeline; supported: StableDiffusion3Pipeline"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(ValueError, match=r"is a StableDiffusionPipeline; supported: StableDiffusion3Pipeline"):
         PipelineTextEncoder(str(tmp_path))
 
 

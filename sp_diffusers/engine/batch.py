@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..devices import to_device
 from ..padding import pad_text_batch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .fsdp_engine import FSDPEngine
+from .protocols import BatchOwner
 
 __all__ = ["TEXT_KEYS", "broadcast_in_sp_group", "prepare_batch"]
 
@@ -20,26 +19,29 @@ TEXT_KEYS = (
 )
 
 
-def prepare_batch(engine: FSDPEngine, batch: dict[str, Any]) -> dict[str, Any]:
+def prepare_batch(engine: BatchOwner, batch: dict[str, Any]) -> dict[str, Any]:
     """Dense, on-device, identical on every SP rank (see ``FSDPEngine.prepare_batch``)."""
     multiple = engine.sp_size if engine.settings.pad_text_to_degree else 1
-    out = dict(batch)
+    # on the device first (lists of ragged tensors too), so padding runs there and makes nothing on the CPU
+    out = {k: to_device(v, engine.device) for k, v in batch.items()}
     for emb_key, mask_key in TEXT_KEYS:
         if emb_key in out and out[emb_key] is not None:
             out[emb_key], out[mask_key] = pad_text_batch(out[emb_key], out.get(mask_key), multiple, emb_key)
-    out = {k: (v.to(engine.device) if torch.is_tensor(v) else v) for k, v in out.items()}
     if engine.debug_checks:
         engine.verify_sp_consistency(out, "batch (before broadcast)")
     return broadcast_in_sp_group(engine, out)
 
 
-def broadcast_in_sp_group(engine: FSDPEngine, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Every tensor (and list of tensors) as the SP group's first rank has it."""
+def broadcast_in_sp_group(engine: BatchOwner, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor (and list of tensors) as the SP group's first rank has it, on the engine's device.
+
+    The description (keys, shapes, dtypes, plain values) goes over the SP group's host-side group (gloo: no
+    device round trip), the tensors over the SP group itself."""
     if engine.sp_group is None or engine.sp_size == 1:
         return tensors
     src = engine.sp_src_global_rank()
     meta = [{k: _describe(v) for k, v in tensors.items()}]
-    dist.broadcast_object_list(meta, src=src, group=engine.sp_group)
+    dist.broadcast_object_list(meta, src=src, group=engine.sp_control_group)
     return {
         key: _broadcast_value(tensors.get(key), desc, src, engine.sp_group, engine.device)
         for key, desc in meta[0].items()
@@ -61,12 +63,16 @@ def _broadcast_value(value: Any, desc: Any, src: int, group, device: torch.devic
     mine = dist.get_rank() == src
     if kind == "tensor":
         _, shape, dtype = desc
-        t = value.contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+        t = to_device(value, device).contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(t, src=src, group=group)
         return t
     items = []
     for i, (shape, dtype) in enumerate(desc[1]):
-        t = value[i].contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+        t = (
+            to_device(value[i], device).contiguous()
+            if mine
+            else torch.empty(shape, dtype=dtype, device=device)
+        )
         dist.broadcast(t, src=src, group=group)
         items.append(t)
     return items

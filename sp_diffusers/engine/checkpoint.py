@@ -7,9 +7,10 @@ The folder layout and ``meta.json`` are in ``checkpoint_files.py``. What this mo
 - **Fails together.** A rank that cannot write (read-only root, full disk) does not leave its peers waiting:
   after each phase every rank learns whether any rank failed and all raise the same ``CheckpointError``; the
   partial folder is removed.
-- **Transactional load.** Everything is checked (format, model, LoRA, every tensor's shape, the trainer
-  state) before anything changes, and the tensors load into copies first: a failed load leaves the engine
-  as it was.
+- **Transactional load, in place.** Everything is checked (format, model, LoRA, every tensor's shape, the
+  trainer state) before anything changes. The tensors then load in place (the device never holds a second
+  copy of the model); the parameters' previous values wait in host memory, and the previous optimizer state
+  stays referenced, so a load that fails inside DCP (a corrupt shard) puts both back: the engine is as it was.
 - **Any layout.** FSDP2 + DCP reshard: a checkpoint written under one ``(dp, ring, ulysses)`` loads under any
   other that fits the world (2 -> 4 -> 1 ranks). Per-rank RNG states load where the rank existed.
 """
@@ -21,7 +22,7 @@ import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -45,9 +46,7 @@ from .checkpoint_files import (
     write_latest,
     write_meta,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .fsdp_engine import FSDPEngine
+from .protocols import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +68,14 @@ def _failure(fn: Any) -> str | None:
     return None
 
 
-def _state(engine: FSDPEngine) -> dict[str, Any]:
+def _state(engine: TrainState) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def engine_meta(engine: FSDPEngine, step: int) -> CheckpointMeta:
+def engine_meta(engine: TrainState, step: int) -> CheckpointMeta:
     layout = engine.layout
     return CheckpointMeta(
         step=step,
@@ -91,7 +90,7 @@ def engine_meta(engine: FSDPEngine, step: int) -> CheckpointMeta:
 
 
 def save_checkpoint(
-    engine: FSDPEngine, root: str | os.PathLike, step: int | None = None, extra: dict | None = None
+    engine: TrainState, root: str | os.PathLike, step: int | None = None, extra: dict | None = None
 ) -> Path:
     """Write ``root/step-XXXXXXXX`` atomically (tmp folder, then rename) and point ``latest`` at it."""
     import torch.distributed.checkpoint as dcp
@@ -107,7 +106,9 @@ def save_checkpoint(
         remove_stale_tmp(root)
         tmp.mkdir(parents=True)
 
-    agree(_failure(prepare) if rank == 0 else None, f"preparing checkpoint folder {tmp}")
+    agree(
+        _failure(prepare) if rank == 0 else None, f"preparing checkpoint folder {tmp}", engine.control_group
+    )
 
     def write() -> None:
         dcp.save(_state(engine), checkpoint_id=str(tmp), no_dist=world == 1)
@@ -117,7 +118,7 @@ def save_checkpoint(
             torch.save({**trainer, "extra": extra or {}}, tmp / "trainer.pt")
 
     try:
-        agree(_failure(write), f"writing checkpoint {tmp}")
+        agree(_failure(write), f"writing checkpoint {tmp}", engine.control_group)
     except CheckpointError:
         if rank == 0:  # a full disk must not keep the partial folder too
             shutil.rmtree(tmp, ignore_errors=True)
@@ -131,7 +132,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         write_latest(root, final.name)
 
-    agree(_failure(publish) if rank == 0 else None, f"publishing checkpoint {final}")
+    agree(_failure(publish) if rank == 0 else None, f"publishing checkpoint {final}", engine.control_group)
     return final
 
 
@@ -139,7 +140,7 @@ def _layout_text(m: CheckpointMeta) -> str:
     return f"dp={m.dp} x ring={m.ring} x ulysses={m.ulysses}"
 
 
-def _check(engine: FSDPEngine, path: Path, meta: CheckpointMeta, stored: dict) -> str | None:
+def _check(engine: TrainState, path: Path, meta: CheckpointMeta, stored: dict) -> str | None:
     """Why ``path`` cannot load into ``engine`` (None: it can), from metadata only: nothing changes."""
     mine = engine_meta(engine, meta.step)
     for name in ("model_class", "model_fingerprint", "lora"):
@@ -172,18 +173,40 @@ def _check(engine: FSDPEngine, path: Path, meta: CheckpointMeta, stored: dict) -
     return None
 
 
-def _copy(state: Any) -> Any:
-    """A deep copy of a (nested) state dict's tensors: DCP loads into these, not into the live engine."""
-    if torch.is_tensor(state):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _copy(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_copy(v) for v in state]
+def _adamw_placeholders(optimizer: torch.optim.Optimizer) -> defaultdict:
+    """Zero AdamW state for every parameter, to load into. Made here rather than by torch's state-dict helper,
+    which makes it by a zero-gradient step: that step's gradients and temporaries would cost the device two
+    more copies of the parameters at the moment memory is tightest."""
+    state: defaultdict = defaultdict(dict)  # what torch.optim.Optimizer starts from
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state[p] = {
+                "step": torch.tensor(0.0, dtype=torch.float32),  # AdamW's own host scalar
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group.get("amsgrad"):
+                state[p]["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
 
 
-def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, Any]:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _host_backup(model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's parameter shards, copied to host memory: what a failed in-place load puts back (the device
+    never holds a second copy of the model while resuming)."""
+    return {k: _local(v).detach().to("cpu", copy=True) for k, v in model_state.items() if torch.is_tensor(v)}
+
+
+def _restore(model_state: dict[str, Any], backup: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, value in backup.items():
+            _local(model_state[key]).copy_(value)
+
+
+def load_checkpoint(engine: TrainState, path: str | os.PathLike) -> dict[str, Any]:
     """Load ``path`` (a step folder, or a root whose ``latest`` names one) into ``engine``; returns ``extra``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -201,7 +224,9 @@ def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, An
         located.append(latest)
 
     error = _failure(locate)
-    agree(error.split(": ", 1)[-1] if error else None, f"finding a checkpoint at {path}")
+    agree(
+        error.split(": ", 1)[-1] if error else None, f"finding a checkpoint at {path}", engine.control_group
+    )
     path = located[0]
     found: dict[str, Any] = {}
 
@@ -217,7 +242,7 @@ def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, An
         found["trainer"] = torch.load(path / "trainer.pt", weights_only=False)
 
     error = _failure(inspect)
-    agree(error.split(": ", 1)[-1] if error else None, f"checking checkpoint {path}")
+    agree(error.split(": ", 1)[-1] if error else None, f"checking checkpoint {path}", engine.control_group)
     meta, stored, trainer = found["meta"], found["stored"], found["trainer"]
     if _layout_text(meta) != _layout_text(engine_meta(engine, meta.step)):
         logger.info("resharding checkpoint %s from %s to this run's layout", path, _layout_text(meta))
@@ -227,20 +252,23 @@ def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, An
     # kept to put back if anything below fails.
     saved_optimizer_state = engine.optimizer.state
     engine.zero_grad()
-    engine.optimizer.state = defaultdict(dict)  # what torch.optim.Optimizer starts from
+    engine.optimizer.state = _adamw_placeholders(engine.optimizer)
     state: dict[str, Any] = {}
 
     def load() -> None:
-        live = _state(engine)
+        # In place: DCP reads into the live parameter shards and into the fresh optimizer placeholders (the old
+        # optimizer state stays referenced, untouched). Only the parameters need a way back, and it is kept in
+        # host memory: a resume costs the device nothing beyond the engine's own state.
+        live = state["live"] = _state(engine)
         # A parameter that never had a gradient has no AdamW state in the checkpoint; its placeholder state is
         # dropped after loading so the optimizer is as saved.
         state["stateless"] = {
             fqn for fqn in live["optimizer"].get("state", {}) if f"optimizer.state.{fqn}.step" not in stored
         }
-        state["copy"] = _copy(live)
+        state["backup"] = _host_backup(live["model"])
         try:
             dcp.load(
-                state["copy"],
+                live,
                 checkpoint_id=str(path),
                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
                 no_dist=engine.layout.world == 1,
@@ -249,11 +277,14 @@ def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, An
             raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {err}") from err
 
     try:
-        agree(_failure(load), f"loading checkpoint {path}")
+        agree(_failure(load), f"loading checkpoint {path}", engine.control_group)
     except CheckpointError:
+        if "backup" in state:
+            _restore(state["live"]["model"], state["backup"])
         engine.optimizer.state = saved_optimizer_state
         raise
-    loaded = state["copy"]
+    del state["backup"]
+    loaded = state["live"]
     set_state_dict(
         engine.model,
         engine.optimizer,
@@ -269,5 +300,5 @@ def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict[str, An
     rng_file = path / f"rng-rank{engine.layout.rank:05d}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
-    barrier()
+    barrier(engine.control_group)
     return trainer.get("extra", {})

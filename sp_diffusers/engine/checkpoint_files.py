@@ -155,18 +155,22 @@ def remove_stale_tmp(root: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group)
 
 
-def agree(error: str | None, what: str) -> None:
+def agree(error: str | None, what: str, group: dist.ProcessGroup | None = None) -> None:
     """Every rank learns whether any rank failed at ``what`` and raises the same ``CheckpointError`` (a rank
-    that fails alone would otherwise leave its peers waiting in the next barrier)."""
+    that fails alone would otherwise leave its peers waiting in the next barrier).
+
+    ``group``: the world's ranks, ideally on a gloo group (the engine's ``control_group``): the exchange is
+    then a CPU one; on NCCL torch stages the pickled errors through the current CUDA device.
+    """
     errors = [error]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]

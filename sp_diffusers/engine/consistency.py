@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import collective_device, to_device
+
 __all__ = ["SPDivergenceError", "checksum", "verify_sp_consistency"]
 
 
@@ -59,18 +61,15 @@ def verify_sp_consistency(tensors: dict[str, Any], group: dist.ProcessGroup, wha
                 )
     if not items:
         return
-    local = torch.stack([checksum(t).cpu() for _, t in items])  # [N, 2]
-    gathered = [torch.empty_like(local) for _ in range(world)]
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-        gathered = [g.to(device) for g in gathered]
-        dist.all_gather(gathered, local.to(device), group=group)
-        gathered = [g.cpu() for g in gathered]
-    else:
-        dist.all_gather(gathered, local, group=group)
+    device = collective_device(group)
+    local = torch.stack([to_device(checksum(t), device) for _, t in items])  # [N, 2], on the group's device
+    gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))  # rank-major rows (gloo's form)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    gathered = gathered.cpu().unflatten(
+        0, (world, -1)
+    )  # a debug check: one transfer for every tensor's checksums
     for i, (name, _) in enumerate(items):
-        values = [g[i] for g in gathered]
+        values = list(gathered[:, i])
         differing = [ranks[r] for r, v in enumerate(values) if not torch.equal(v, values[0])]
         if differing:
             raise SPDivergenceError(

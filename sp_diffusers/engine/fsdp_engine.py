@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..mesh import MeshError, ParallelDims, default_device_type
+from ..devices import default_device, fetch_scalars, use_device
+from ..mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
 from .consistency import SPDivergenceError, verify_sp_consistency
+from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
+from .protocols import EngineLayout
 from .settings import EngineSettings, LoraSettings, OptimSettings
 from .step_agreement import StepError, agree_step, batch_size_of, unpack_loss
+from .weights import WeightsError, on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +41,20 @@ LossFn = Callable[["FSDPEngine", dict[str, Any]], tuple[torch.Tensor, dict[str, 
 __all__ = ["EngineSettings", "FSDPEngine", "LoraSettings", "OptimSettings", "SPDivergenceError", "StepError"]
 
 
-@dataclass
-class _Layout:
-    world: int
-    dp: int
-    ring: int
-    ulysses: int
-    rank: int
-    dp_rank: int = 0
-    sp_rank: int = 0
-
-
 class FSDPEngine:
     """A diffusers transformer under FSDP2 and Ulysses sequence parallelism.
 
     ``FSDPEngine(model, settings)`` or ``FSDPEngine(model, ulysses_sequence_parallel_size=2, lora=...)``: keyword
     arguments are :class:`EngineSettings` fields and replace those of ``settings``.
+
+    A model may arrive with its parameters on ``meta`` (built by ``sp_diffusers.engine.weights.meta_model``
+    or under ``accelerate.init_empty_weights()``, buffers real). The engine then shards it first and
+    materialises only this rank's shards on its device, filled from ``weights=`` (``EngineSettings.weights``):
+    a safetensors folder or file (each rank reads only its rows, in the parameter's dtype), a state dict of
+    full tensors, a callable ``init(model)``, or ``"empty"`` (allocated, values left as they are: tracing
+    under ``FakeTensorMode`` with ``device="cpu"``, or a ``load_checkpoint`` that follows). A model with real
+    parameters is never moved whole to the device before sharding: ``fully_shard`` moves each block as it
+    shards it.
 
     Args:
         model: a diffusers transformer with a context-parallel plan (Qwen-Image, Flux, Wan, ...).
@@ -74,10 +76,11 @@ class FSDPEngine:
                 "fix: launch with torchrun and init_process_group first"
             )
         dims = ParallelDims.of_process_group(ulysses, ring)
-        self.layout = _Layout(dims.world, dims.dp, ring, ulysses, dist.get_rank() if distributed else 0)
+        self.layout = EngineLayout(dims.world, dims.dp, ring, ulysses, dist.get_rank() if distributed else 0)
 
         sp_diffusers.install()
-        self.device = torch.device(s.device) if s.device is not None else self._default_device()
+        self.device = torch.device(s.device) if s.device is not None else default_device()
+        use_device(self.device)  # torch's object collectives read the current device: it must be ours
         self.mesh = dims.build_mesh(self.device.type) if distributed else None
         self.dp_group = self.sp_group = None
         if self.mesh is not None:
@@ -87,11 +90,26 @@ class FSDPEngine:
             sp_mesh = self.mesh["ring", "ulysses"]._flatten("sp") if ring > 1 else self.mesh["ulysses"]
             self.sp_group = sp_mesh.get_group()
             self.layout.sp_rank = sp_mesh.get_local_rank()
+        self.control_group, self.sp_control_group = (
+            control_groups(dims, self.sp_group) if distributed else (None, None)
+        )
 
-        model = model.to(self.device)
+        # Weights reach the device only as shards: a real model moves block by block inside fully_shard (each
+        # block's full weights, then only its shard, stay there); a meta model is materialised shard by shard.
+        self.sharded = bool(s.use_fsdp and distributed and dims.world > 1)
+        meta = on_meta(model)
+        if s.weights is not None and not meta:
+            source = type(s.weights).__name__ if isinstance(s.weights, dict) else repr(s.weights)
+            raise WeightsError(
+                f"EngineSettings.weights={source} is for a model built on meta, and this model's parameters "
+                "already hold values; fix: build the model with sp_diffusers.engine.weights.meta_model (or "
+                "accelerate.init_empty_weights), or drop weights="
+            )
+        if not (self.sharded or meta):
+            model = model.to(self.device)  # replicas: every rank holds the whole model anyway
         if s.lora is not None:
-            self._add_lora(model, s.lora)
-        self._check_cp_plan(model)
+            add_lora(model, s.lora)
+        check_cp_plan(model)
         model.set_attention_backend(s.attention_backend)
         if dims.sp > 1:
             model.enable_parallelism(
@@ -103,11 +121,12 @@ class FSDPEngine:
             if not getattr(model, "_supports_gradient_checkpointing", False):
                 raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
             model.enable_gradient_checkpointing()
-        self.sharded = bool(s.use_fsdp and distributed and dims.world > 1)
         if self.sharded:
             self._fully_shard(model, s.mixed_precision)
         elif s.mixed_precision == "bf16":
-            model.to(torch.bfloat16)
+            model.to(torch.bfloat16)  # on meta this costs nothing: the values then load in bf16
+        if meta:
+            materialize_everywhere(model, self.device, s.weights, s.lora, self.control_group)
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
@@ -135,37 +154,6 @@ class FSDPEngine:
         return self.settings.debug_checks
 
     # ----------------------------------------------------------------------------------- setup helpers
-
-    @staticmethod
-    def _default_device() -> torch.device:
-        if default_device_type() == "cuda":
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-        return torch.device("cpu")
-
-    @staticmethod
-    def _check_cp_plan(model: torch.nn.Module) -> None:
-        if getattr(model, "_cp_plan", None) is None:
-            raise ValueError(
-                f"{type(model).__name__} has no context-parallel plan (_cp_plan), so its sequence cannot be "
-                "sharded; fix: use a model with a plan (Qwen-Image, Flux, Wan, LTX, ...) or set model._cp_plan"
-            )
-
-    @staticmethod
-    def _add_lora(model: torch.nn.Module, lora: LoraSettings) -> None:
-        try:
-            from peft import LoraConfig
-        except ImportError as err:  # pragma: no cover - peft is in the [train] extra
-            raise ImportError("LoRA needs peft: pip install 'sp-diffusers[train]'") from err
-        model.requires_grad_(False)
-        model.add_adapter(
-            LoraConfig(
-                r=lora.rank,
-                lora_alpha=lora.alpha,
-                target_modules=list(lora.target_modules),
-                init_lora_weights=lora.init,
-            ),
-            adapter_name=lora.adapter_name,
-        )
 
     def _fully_shard(self, model: torch.nn.Module, mixed_precision: str | None) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -239,6 +227,9 @@ class FSDPEngine:
 
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank)."""
+        # Inputs that went through prepare_batch are identical on every SP rank (broadcast from the group's
+        # first rank): this is where the attention backend's once-per-forward agreement of the ranks' lengths
+        # and flags may be skipped, when the backend offers that switch.
         return self.model(**inputs, return_dict=False)[0]
 
     def broadcast_in_sp_group(self, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -292,7 +283,10 @@ class FSDPEngine:
         already inside the forward's collectives): they fail at the process-group timeout, or at once under
         torchrun, which stops every rank when one exits.
 
-        The returned metrics carry ``loss`` as computed (unscaled by SP, by ``loss_scale`` or by anything).
+        The returned metrics carry ``loss`` as computed (unscaled by SP, by ``loss_scale`` or by anything). They
+        stay where ``loss_fn`` made them: one-element tensors come back detached, on the device (reading each
+        one would stop the host until the GPU drains, once per metric per micro-step); read a step's worth at
+        once with ``sp_diffusers.devices.fetch_scalars`` (``train_step`` and ``optimizer_step`` return floats).
         """
         self.model.train()
         loss, metrics, failure = None, {}, None
@@ -303,9 +297,9 @@ class FSDPEngine:
         weight = agree_step(self, failure, num_samples)
         (loss * (loss_scale * weight)).backward()
         metrics = {
-            k: (v.detach().item() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in metrics.items()
+            k: (v.detach() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in metrics.items()
         }
-        metrics.setdefault("loss", loss.detach().item())
+        metrics.setdefault("loss", loss.detach())
         return metrics
 
     def dp_sample_weight(self, num_samples: int) -> float:
@@ -326,14 +320,20 @@ class FSDPEngine:
         """Clip, step, schedule. A non-finite gradient norm skips the step on every rank (same norm everywhere).
 
         ``step_scheduler=False`` leaves the LR schedule to ``lr_scheduler_step()`` (verl steps it separately).
+        The gradient norm is the step's one device-to-host read (the skip decision needs it on the host).
         """
+        return self._step(fetch_scalars({"grad_norm": self._clip_grad_norm()}), step_scheduler)
+
+    def _clip_grad_norm(self) -> torch.Tensor:
         self._sync_replicated_grads()
         max_norm = self.optim_settings.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm if max_norm > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
-        skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _step(self, metrics: dict[str, Any], step_scheduler: bool) -> dict[str, Any]:
+        """The update for ``metrics`` read on the host (``grad_norm`` a float); ``metrics`` with lr and skip."""
+        grad_norm = metrics["grad_norm"]
+        skipped = not math.isfinite(grad_norm)
         if skipped:
             logger.warning(
                 "non-finite gradient norm %s at step %d: skipping the update", grad_norm, self.global_step
@@ -344,11 +344,7 @@ class FSDPEngine:
                 self.lr_scheduler.step()
             self.global_step += 1
         self.zero_grad()
-        return {
-            "grad_norm": grad_norm,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "step_skipped": float(skipped),
-        }
+        return {**metrics, "lr": self.optimizer.param_groups[0]["lr"], "step_skipped": float(skipped)}
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule by one step (for ``optimizer_step(step_scheduler=False)``); the new LR."""
@@ -356,13 +352,15 @@ class FSDPEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, Any]:
-        """zero_grad -> forward_backward -> optimizer_step."""
+        """zero_grad -> forward_backward -> optimizer_step; the metrics as floats, read in one transfer."""
         self.zero_grad()
         if self.debug_checks:
             self.verify_parameters()
         metrics = self.forward_backward(batch, loss_fn, num_samples=batch_size_of(batch))
-        metrics.update(self.optimizer_step())
-        return metrics
+        # the loss_fn's metrics and the gradient norm reach the host together: one transfer per step
+        return self._step(
+            fetch_scalars({**metrics, "grad_norm": self._clip_grad_norm()}), step_scheduler=True
+        )
 
     # ---------------------------------------------------------------------------------- checkpoints
 

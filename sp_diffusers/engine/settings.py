@@ -73,6 +73,11 @@ class EngineSettings:
             maximum only: any length shards exactly, and a model without a text mask, such as Wan, attends
             to padding, so padding only under SP would change its result).
         device: the compute device (None: ``cuda:LOCAL_RANK`` with a GPU, else the CPU).
+        weights: where the values of a model built on ``meta`` come from, loaded after sharding so that no rank
+            holds the whole model (``engine/weights.py``): a ``save_pretrained`` folder or ``.safetensors`` file
+            (each rank reads only its shards), a state dict of full tensors, a callable ``init(model)``, or
+            ``"empty"`` (left uninitialised: tracing under ``FakeTensorMode``, or a checkpoint load follows).
+            None for a model whose parameters hold values already.
     """
 
     ulysses_sequence_parallel_size: int = 1
@@ -86,6 +91,7 @@ class EngineSettings:
     debug_checks: bool = False
     pad_text_to_degree: bool = False
     device: Any = None
+    weights: Any = None
 
     def __post_init__(self) -> None:
         if self.mixed_precision not in (None, "bf16", "fp32"):

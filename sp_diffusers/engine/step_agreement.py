@@ -1,7 +1,8 @@
 """Before a backward, every rank agrees on what it is about to do: whether its loss_fn worked, and how many
 samples its loss averages over (data-parallel ranks may hold different counts).
 
-One small all-gather over the whole world per ``forward_backward``. A rank whose loss_fn failed would
+One small all-gather over the whole world per ``forward_backward``, on the engine's control group (gloo, also
+beside NCCL: a CPU exchange that does not wait for the GPU). A rank whose loss_fn failed would
 otherwise skip the backward while its peers enter the backward's collectives and wait there until the
 process-group timeout; and a mean of per-rank means over unequal batches is not the mean over the samples
 (1 and 3 samples: a 0.9 relative gradient error).
@@ -9,13 +10,13 @@ process-group timeout; and a mean of per-rank means over unequal batches is not 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .fsdp_engine import FSDPEngine
+from ..devices import collective_device
+from .protocols import StepRunner
 
 __all__ = ["StepError", "agree_step", "batch_size_of", "unpack_loss"]
 
@@ -65,7 +66,7 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
-def agree_step(engine: FSDPEngine, failure: BaseException | None, num_samples: int | None) -> float:
+def agree_step(engine: StepRunner, failure: BaseException | None, num_samples: int | None) -> float:
     """Share ``failure`` and ``num_samples`` with every rank; raise everywhere if any rank failed, else
     return this rank's loss weight ``n_local * dp / n_total`` (1.0 for equal or unknown counts)."""
     layout = engine.layout
@@ -76,13 +77,14 @@ def agree_step(engine: FSDPEngine, failure: BaseException | None, num_samples: i
     from ..comm import gather_ints
 
     row = [int(failure is not None), -1 if num_samples is None else int(num_samples)]
-    device = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    table = gather_ints(row, dist.group.WORLD, device)
+    # the engine's control group: gloo beside NCCL, so this exchange never waits for the GPU to drain
+    group = engine.control_group
+    table = gather_ints(row, group, collective_device(group))
     failed = [rank for rank, r in enumerate(table) if r[0]]
     if failed:
         messages: list[str | None] = [None] * layout.world
         text = f"{type(failure).__name__}: {failure}" if failure is not None else None
-        dist.all_gather_object(messages, text)
+        dist.all_gather_object(messages, text, group=group)
         if failure is not None:
             raise failure
         raise StepError(

@@ -22,9 +22,15 @@ from .advantages import group_advantages
 from .loss import flowgrpo_loss
 from .pipeline_schedule import Schedule, linspace_schedule, pipeline_schedule
 from .schedule import flow_sigmas, qwenimage_mu, timesteps_from_sigmas
-from .sde import SDEStep, ode_step, sde_step_with_logprob
+from .sde import (
+    SDEStep,
+    StepRule,
+    cps_step_with_logprob,
+    dance_step_with_logprob,
+    ode_step,
+    sde_step_with_logprob,
+)
 from .selection import kept_samples
-from .steps import StepRule, cps_step_with_logprob, dance_step_with_logprob
 
 __all__ = [
     "SDEStep",

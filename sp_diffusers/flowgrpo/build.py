@@ -3,7 +3,6 @@ schedule, the step rule, and the checks that tie them together (each error names
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,7 +10,7 @@ import torch
 from ..engine import EngineSettings, LoraSettings, OptimSettings
 from .config import ConfigError, TrainConfig
 from .pipeline_schedule import Schedule, linspace_schedule, load_scheduler_config, pipeline_schedule
-from .steps import StepRule
+from .sde import StepRule
 from .text import ByteTextEncoder, PipelineTextEncoder, UMT5TextEncoder
 
 __all__ = [
@@ -28,27 +27,43 @@ __all__ = [
 ALGORITHMS = ("flow_grpo", "dance_grpo")
 _SCHEDULES = ("auto", "pipeline", "linspace")
 _ENCODERS = ("", "byte", "umt5")
+DANCE_KL = ("verl_omni", "flow_grpo")
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
-    """``model.pretrained`` (a ``save_pretrained`` folder of ``model.kind``'s class), else the tiny model."""
-    from ..model_kinds import model_class
+    """The transformer of ``model.pipeline`` or ``model.pretrained`` (a ``save_pretrained`` folder of
+    ``model.kind``'s class), else the tiny model.
+
+    A pipeline's or pretrained transformer is built with its parameters on ``meta``: nothing is loaded here. The
+    engine shards it first and then each rank reads only its own shards from the folder, in the training dtype
+    (:func:`engine_settings` points ``weights`` there): no rank ever holds the whole model, in any dtype."""
     from ..tiny import tiny_model
+    from .pipeline_io import meta_transformers, transformer_folder
 
     c = config.model
-    if c.pretrained:
-        if not Path(c.pretrained).exists():
+    folder = transformer_folder(config)
+    if folder is not None:
+        if not folder.exists():
+            key = "model.pipeline" if c.pipeline else "model.pretrained"
             raise FileNotFoundError(
-                f"model.pretrained={c.pretrained!r} does not exist (a save_pretrained folder)"
+                f"{key}={str(folder)!r} does not exist: point {key} at a save_pretrained folder"
             )
-        return model_class(c.kind).from_pretrained(c.pretrained)
+        return meta_transformers(config, ("transformer",))["transformer"]
     return tiny_model(c.kind, seed=c.seed, **c.overrides)
 
 
-def engine_settings(config: TrainConfig) -> EngineSettings:
-    """The ``parallel``, ``optim`` and ``lora`` sections as the engine's settings."""
+def engine_settings(
+    config: TrainConfig, model: torch.nn.Module | None = None, name: str = "transformer"
+) -> EngineSettings:
+    """The ``parallel``, ``optim`` and ``lora`` sections as the engine's settings; for a ``model`` built on meta
+    (:func:`build_model`, a pipeline's transformer ``name``), ``weights`` = its folder (each rank loads its shards
+    after sharding)."""
+    from ..engine.weights import on_meta
+    from .pipeline_io import transformer_folder
+
     p, o, lora = config.parallel, config.optim, config.lora
     return EngineSettings(
+        weights=transformer_folder(config, name) if model is not None and on_meta(model) else None,
         ulysses_sequence_parallel_size=p.ulysses_sequence_parallel_size,
         ring_degree=p.ring_degree,
         optim=OptimSettings(
@@ -81,10 +96,11 @@ def build_text_encoder(
             f"text.encoder={c.encoder!r} is not a built-in encoder; choose 'byte', 'umt5' or '' (umt5 for wan, "
             "byte otherwise), or set text.pipeline to a pipeline folder"
         )
-    if c.pipeline:
+    pipeline = c.pipeline or config.model.pipeline
+    if pipeline:
         # on the training device, in the training precision: T5-XXL alone is 4.7B parameters
         return PipelineTextEncoder(
-            c.pipeline,
+            pipeline,
             c.max_sequence_length,
             device=device,
             dtype=torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32,
@@ -109,6 +125,8 @@ def run_schedule(config: TrainConfig, adapter: Any) -> Schedule:
     if kind == "linspace":
         return linspace_schedule(g.num_steps, g.shift)
     folder, key = g.scheduler, "flowgrpo.scheduler"
+    if not folder and config.model.pipeline:
+        folder, key = config.model.pipeline, "model.pipeline"
     if not folder and config.text.pipeline:
         folder, key = config.text.pipeline, "text.pipeline"
     scheduler_config = load_scheduler_config(folder, key) if folder else None
@@ -149,6 +167,25 @@ def check_algorithm(config: TrainConfig) -> None:
         raise ConfigError(
             f"flowgrpo.noise_level={g.noise_level!r} must be < 1 with sde_type=cps (the angle a pi / 2); flow_grpo "
             "uses 0.8"
+        )
+    if g.dance_kl not in DANCE_KL:
+        raise ConfigError(
+            f"flowgrpo.dance_kl={g.dance_kl!r}: choose 'verl_omni' (KL / (eta^2 (sigma - sigma')), the Gaussian KL of "
+            "the step) or 'flow_grpo' (KL / eta^2, no dt factor)"
+        )
+    lo, hi = g.window_range[0], g.window_range[-1]
+    if (
+        g.algorithm == "flow_grpo"
+        and g.sde_type == "cps"
+        and g.kl_coef > 0
+        and hi + g.window_size - 2 >= g.num_steps - 1
+    ):
+        # CPS's last step (sigma' = 0) has noise std 0: the KL divides by 0 (NaN on-policy, inf after)
+        raise ConfigError(
+            f"flowgrpo.sde_type=cps with flowgrpo.kl_coef={g.kl_coef} and flowgrpo.window_range={g.window_range}: a window "
+            f"starting at {hi - 1} reaches the last step (sigma' = 0), where CPS is deterministic (noise std 0) and the "
+            f"KL term divides by 0; fix: flowgrpo.window_range=[{lo}, {g.num_steps - g.window_size}] (the window ends "
+            "before the last step), or flowgrpo.kl_coef=0"
         )
     if g.algorithm == "dance_grpo" and not (0 < g.timestep_fraction <= 1):
         raise ConfigError(

@@ -25,9 +25,15 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     kind: str = "qwenimage"  # model family (sp_diffusers.tiny): the tiny model, or the class for `pretrained`
-    pretrained: str = ""  # a folder written by save_pretrained (the real-model path)
+    pretrained: str = ""  # a transformer folder written by save_pretrained (model.kind names its class)
+    # a diffusers pipeline folder (save_pretrained / a model repository): its transformer(s), text encoder(s),
+    # scheduler and VAE; sets model.kind from the pipeline class (pipeline_io.py)
+    pipeline: str = ""
+    # a two-expert Wan2.2 pipeline: which to train, of transformer (high noise) and transformer_2 (low noise); []: all
+    experts: list = field(default_factory=list)
     overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
-    image_size: int = 8  # latent height = width before patching (tokens = (size / patch)^2)
+    image_size: int = 8  # latent height before patching (pixels / the VAE's factor; tokens = (size / patch)^2)
+    image_width: int = 0  # latent width (0: image_size, square)
     frames: int = 4  # latent frames of a video family (wan); image families ignore it
     seed: int = 0
 
@@ -40,9 +46,9 @@ class TextConfig:
     hidden_size: int = 32
     num_layers: int = 1
     seed: int = 1234
-    pipeline: str = (
-        ""  # a diffusers pipeline folder whose own text encoders encode the prompts (SD3/SD3.5, Wan)
-    )
+    # a diffusers pipeline folder whose own text encoders encode the prompts (Qwen-Image, FLUX.1, SD3, Wan); "":
+    # model.pipeline's
+    pipeline: str = ""
     max_sequence_length: int = 256  # text tokens: T5 of a pipeline encoder, UMT5 (Wan pads prompts to it)
 
 
@@ -103,10 +109,25 @@ class FlowGRPOConfig:
     clip_range: float = 1e-3
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0
+    # dance_grpo's KL scale: "verl_omni" divides by the step's noise variance eta^2 (sigma - sigma') (the Gaussian
+    # KL of the two steps, as verl-omni's dance_sde); "flow_grpo" by eta^2 (no dt factor, as flow_grpo's SDE KL)
+    dance_kl: str = "verl_omni"
     recompute_old_log_probs: bool = True
     drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
-    reward: str = "color"
+    guidance_scale: float = 3.5  # FLUX.1-dev's embedded guidance (FluxPipeline's default); models without one ignore it
+    reward: str = "color"  # the built-in reward when `rewards` is empty: color, video_color, mean_latent
+    # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
+    # kwargs, name}]; the total is the weighted sum (reward_loading.py)
+    rewards: list = field(default_factory=list)
+
+
+@dataclass
+class DataConfig:
+    # a .txt (one prompt a line) or .jsonl ({"prompt": ..., other fields go to the rewards as metadata}) file,
+    # shuffled per epoch from train.seed; "": the `prompts` list, drawn at random
+    train: str = ""
+    eval: str = ""  # held-out prompts (same formats) that train.eval_every evaluates
 
 
 @dataclass
@@ -114,6 +135,9 @@ class TrainLoopConfig:
     iterations: int = 60
     out_dir: str = "runs/flowgrpo-tiny"
     save_every: int = 20
+    eval_every: int = 0  # evaluate data.eval every N iterations (ODE, fixed noise); 0: never
+    sample_every: int = 0  # write a grid of samples to <out_dir>/samples every N iterations; 0: never
+    sample_count: int = 4  # prompts in a sample grid
     resume: bool = True
     seed: int = 0
     progress: bool = True
@@ -128,6 +152,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     flowgrpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.text.DEFAULT_PROMPTS
 
@@ -257,6 +282,15 @@ def validate(config: TrainConfig) -> None:
         "must be >= 1 (1: no CFG)",
     )
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
+        _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
+    _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
+    _require(
+        not t.eval_every or bool(config.data.eval),
+        "train.eval_every",
+        t.eval_every,
+        "evaluates the held-out prompts of data.eval; fix: data.eval=<a .txt or .jsonl file>, or train.eval_every=0",
+    )
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""A run's metrics: the in-memory history, ``metrics.jsonl`` (rank 0), TensorBoard when installed, the plot.
+"""A run's metrics: the in-memory history, ``metrics.jsonl`` (rank 0), TensorBoard when installed, the progress bar,
+the plot.
 
 On resume the file is cut back to the checkpoint's iteration, so a run restarted from step N continues the
 same file with N + 1 (no iteration twice).
@@ -22,6 +23,14 @@ class RunLog:
         self.path = self.out_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
         self._tb = None
+        self._bar = None
+
+    def start_progress(self, total: int, initial: int) -> None:
+        """A tqdm bar on rank 0, moved by ``append``."""
+        if self.rank == 0:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="FlowGRPO", unit="it", dynamic_ncols=True)
 
     def open(self, config: dict[str, Any]) -> None:
         """Create the output folder, write ``config.json``, start TensorBoard (optional)."""
@@ -46,6 +55,15 @@ class RunLog:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, metrics["iteration"])
+        if self._bar is not None:
+            self._bar.update(1)
+            # what moves in an on-policy run (its loss is ~0 and ppo_kl 0 by construction)
+            self._bar.set_postfix(
+                reward=f"{metrics['reward_mean']:+.3f}",
+                clip=f"{metrics.get('clipfrac', 0.0):.2f}",
+                grad=f"{metrics.get('grad_norm', 0.0):.2f}",
+                s_it=f"{metrics['seconds']:.1f}",
+            )
 
     def truncate(self, iteration: int) -> None:
         """Keep the lines up to ``iteration`` (resuming from its checkpoint) as the history."""
@@ -62,6 +80,9 @@ class RunLog:
     def close(self, plot: bool, title: str = "") -> None:
         if self.rank != 0:
             return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         if self._tb is not None:
             self._tb.close()
         if plot:

@@ -1,4 +1,5 @@
-"""How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs.
+"""How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs (FLUX.1:
+``flux_adapter.py``).
 
 Latents keep the family's own layout (Qwen-Image: packed tokens ``[B, L, C]``; SD3: ``[B, C, H, W]``; Wan:
 video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments (image grid, ids) and how
@@ -13,7 +14,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
+from .decode import unpack_2x2
+from .flux_adapter import FluxAdapter, flux_adapter
+
+__all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,13 @@ class QwenImageAdapter:
     def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents as ``[B, L, C]`` tokens (what the built-in rewards read)."""
         return latents
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Packed tokens -> ``[B, C, 1, H, W]`` for ``AutoencoderKLQwenImage`` (one frame)."""
+        return unpack_2x2(latents, self.grid_h, self.grid_w).unsqueeze(2)
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded[:, :, 0]
 
     def inputs(
         self,
@@ -80,6 +91,12 @@ class SD3Adapter:
 
     def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
         return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded
 
     def inputs(
         self,
@@ -133,6 +150,12 @@ class WanAdapter:
     def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
         return latents.permute(0, 2, 3, 4, 1)  # [B, C, F, H, W] -> [B, F, H, W, C]
 
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
+
     def inputs(
         self,
         latents: torch.Tensor,
@@ -160,51 +183,60 @@ def build_adapter(
     pooled_from_encoder: bool = False,
     frames: int = 1,
     text_len: int = 512,
-) -> QwenImageAdapter | SD3Adapter | WanAdapter:
-    """The adapter for ``model`` at latent size ``image_size`` x ``image_size`` (before patching), ``frames``
-    latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled projection input
-    itself; ``text_len``: the text length a Wan pipeline pads prompts to (``text.max_sequence_length``)."""
+    guidance_scale: float = 3.5,
+    image_width: int = 0,
+) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter:
+    """The adapter for ``model`` at latent height ``image_size`` and width ``image_width`` (0: ``image_size``; before
+    patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
+    projection input itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to
+    (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
     from ..compat import diffusers_version
     from ..model_kinds import class_name
 
     name = class_name(model)
     config = model.config
+    h, w = image_size, image_width or image_size
+
+    def check(patch_h: int, patch_w: int) -> None:
+        if h % patch_h or w % patch_w:
+            what = f"model.image_size={h} x model.image_width={w}" if image_width else f"model.image_size={h}"
+            raise ValueError(
+                f"{what} must be a multiple of the patch size {patch_h if patch_h == patch_w else (patch_h, patch_w)} "
+                "(the latent height x width; "
+                "FLUX.1: 2 x 2, its pipeline packs 2 x 2 latents into a token)"
+            )
+
     if name == "QwenImageTransformer2DModel":
-        patch = config.patch_size
-        if image_size % patch:
-            raise ValueError(f"model.image_size={image_size} must be a multiple of the patch size {patch}")
+        check(config.patch_size, config.patch_size)
         return QwenImageAdapter(
-            grid_h=image_size // patch,
-            grid_w=image_size // patch,
+            grid_h=h // config.patch_size,
+            grid_w=w // config.patch_size,
             channels=config.in_channels,
             needs_txt_seq_lens=diffusers_version().release < (0, 37),
         )
+    if name == "FluxTransformer2DModel":
+        check(2, 2)  # FluxPipeline packs 2 x 2 latents into one token
+        return flux_adapter(model, h, w, pooled_from_encoder, text_len, guidance_scale)
     if name == "SD3Transformer2DModel":
-        if image_size % config.patch_size:
-            raise ValueError(
-                f"model.image_size={image_size} must be a multiple of the patch size {config.patch_size}"
-            )
+        check(config.patch_size, config.patch_size)
         if not pooled_from_encoder and config.joint_attention_dim != config.pooled_projection_dim:
             raise ValueError(
                 f"the FlowGRPO SD3 adapter pools the text embeddings ({config.joint_attention_dim}) into "
                 f"pooled_projections ({config.pooled_projection_dim}); they must be equal, or encode prompts with "
                 "the pipeline's own text encoders (text.pipeline=<pipeline folder>), which give the pooled input"
             )
-        return SD3Adapter(image_size, image_size, config.in_channels, config.patch_size)
+        return SD3Adapter(h, w, config.in_channels, config.patch_size)
     if name == "WanTransformer3DModel":
         pt, ph, pw = config.patch_size
-        if image_size % ph or image_size % pw:
-            raise ValueError(
-                f"model.image_size={image_size} must be a multiple of the patch size {(ph, pw)} (latent height/width)"
-            )
+        check(ph, pw)
         if frames < 1 or frames % pt:
             raise ValueError(
                 f"model.frames={frames} must be a positive multiple of the temporal patch size {pt} (latent frames)"
             )
         if text_len < 1:
             raise ValueError(f"text.max_sequence_length={text_len} must be >= 1 (Wan pads prompts to it)")
-        return WanAdapter(frames, image_size, image_size, config.in_channels, (pt, ph, pw), text_len)
+        return WanAdapter(frames, h, w, config.in_channels, (pt, ph, pw), text_len)
     raise ValueError(
-        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, SD3Transformer2DModel, "
-        "WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"
+        f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
+        "SD3Transformer2DModel, WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"
     )

@@ -12,6 +12,8 @@ keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer time
     with the default static shift 3 the sigmas are ``shift(linspace(1, shift(1/1000), N))``, last 0.0089;
   - Qwen-Image (``QwenImagePipeline``): ``set_timesteps(sigmas=linspace(1, 1/N, N), mu)`` with
     ``mu = calculate_shift(image tokens, ...)`` from the config, then ``shift_terminal`` 0.02 stretches the end;
+  - FLUX.1 (``FluxPipeline``): as Qwen-Image (``linspace(1, 1/N, N)`` sigmas, ``mu`` from the packed image tokens
+    and the config's base / max shift), without a terminal stretch in FLUX.1-dev's config;
   - Wan (``WanPipeline``): ``set_timesteps(N)`` on Wan's UniPC config (flow sigmas, ``flow_shift`` 3):
     ``shift(linspace(1, 1/1000, N + 1)[:-1])`` with ``sigmas[0] = 1 - 1e-6`` and truncated integer timesteps.
 
@@ -26,13 +28,14 @@ pipeline hands it to the transformer (Qwen-Image divides by 1000).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..devices import to_device
 from ..scheduler_configs import SCHEDULER_DEFAULTS
 from .schedule import qwenimage_mu
 
@@ -53,10 +56,24 @@ class Schedule:
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     source: str
+    _copies: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_steps(self) -> int:
         return int(self.timesteps.numel())
+
+    def on(self, device: torch.device) -> Schedule:
+        """This schedule with ``sigmas`` and ``timesteps`` on ``device``, copied once (queued, no host sync) and
+        kept: a denoising loop indexes it there instead of copying a step's value from the host each time.
+        Read numbers (``float(sigmas[i])``) from the CPU schedule itself: on an accelerator that is a sync."""
+        device = torch.device(device)
+        if device == self.sigmas.device:
+            return self
+        if device not in self._copies:
+            self._copies[device] = Schedule(
+                to_device(self.sigmas, device), to_device(self.timesteps, device), self.source
+            )
+        return self._copies[device]
 
 
 _SUPPORTED_CLASSES = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
@@ -133,7 +150,8 @@ def pipeline_schedule(
     name = type(scheduler).__name__
     c = scheduler.config
     dynamic = name == "FlowMatchEulerDiscreteScheduler" and bool(c.get("use_dynamic_shifting", False))
-    if kind == "qwenimage" or (kind == "sd3" and dynamic):
+    flux_like = kind in ("qwenimage", "flux")  # both pipelines pass linspace(1, 1/N, N) sigmas and mu
+    if flux_like or (kind == "sd3" and dynamic):
         if image_seq_len is None:
             raise ValueError(f"the {kind} pipeline schedule depends on the image tokens: pass image_seq_len")
         # the pipelines' calculate_shift fallbacks differ (Qwen-Image 1.15, SD3 1.16 as max_shift)
@@ -142,11 +160,11 @@ def pipeline_schedule(
             c.get("base_image_seq_len", 256),
             c.get("max_image_seq_len", 4096),
             c.get("base_shift", 0.5),
-            c.get("max_shift", 1.15 if kind == "qwenimage" else 1.16),
+            c.get("max_shift", 1.16 if kind == "sd3" else 1.15),
         )
     else:
         mu = None
-    if kind == "qwenimage":
+    if flux_like:
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
     elif mu is not None:
         scheduler.set_timesteps(num_steps, mu=mu)

@@ -1,6 +1,7 @@
 """What a person watching an RL run looks at, as one PNG (matplotlib, headless).
 
-Panels: the reward (mean and +- std per iteration, with a moving mean), the clip fraction, the gradient norm,
+Panels: the reward (mean and +- std per iteration, with a moving mean, and the eval reward of ``train.eval_every``
+as points), the clip fraction, the gradient norm,
 the KL to the reference policy, and the learning rate. The GRPO loss is left out on purpose: on-policy it is
 ~0 by construction (the ratio is 1), so its curve says nothing; ppo_kl likewise.
 """
@@ -56,6 +57,9 @@ def plot_metrics(history: list[dict[str, Any]], path: str | Path, title: str = "
     )
     window = max(1, len(reward) // 10)
     ax.plot(its, _moving_mean(reward, window), color="black", lw=1.5, label=f"moving mean ({window})")
+    evals = [(m["iteration"], float(m["eval_reward_mean"])) for m in history if "eval_reward_mean" in m]
+    if evals:  # train.eval_every: the held-out prompts, ODE from fixed noise
+        ax.plot(*zip(*evals, strict=True), "o-", color="tab:blue", ms=4, lw=1, label="eval (held-out, ODE)")
     ax.set(title="reward", xlabel="iteration", ylabel="reward")
     ax.legend(fontsize=8)
     panels = [

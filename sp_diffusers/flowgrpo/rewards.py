@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..devices import to_device
 from .text import COLORS
 
 __all__ = ["REWARDS", "ColorLatentReward", "MeanLatentReward", "Reward", "VideoColorReward", "build_reward"]
@@ -48,7 +49,7 @@ class ColorLatentReward:
         if latents.shape[0] != len(prompts):
             raise ValueError(f"{latents.shape[0]} latents but {len(prompts)} prompts")
         mean = latents.float().flatten(1, -2).mean(dim=1)  # [B, C]
-        targets = self.directions[[self.color_index(p) for p in prompts]].to(mean.device)
+        targets = to_device(self.directions[[self.color_index(p) for p in prompts]], mean.device)
         return torch.nn.functional.cosine_similarity(mean, targets, dim=-1)
 
 
@@ -83,7 +84,7 @@ class VideoColorReward:
             raise ValueError(f"{latents.shape[0]} latents but {len(prompts)} prompts")
         x = latents.float()
         frames = x.flatten(2, -2).mean(dim=2) if x.ndim >= 4 else x.mean(dim=1, keepdim=True)  # [B, F, C]
-        targets = self.targets[[self.color_index(p) for p in prompts]].to(frames.device)
+        targets = to_device(self.targets[[self.color_index(p) for p in prompts]], frames.device)
         colour_err = ((frames - targets[:, None, :]) ** 2).mean(dim=(1, 2))
         if frames.shape[1] > 1:
             temporal = ((frames[:, 1:] - frames[:, :-1]) ** 2).mean(dim=(1, 2))

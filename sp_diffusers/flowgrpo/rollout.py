@@ -1,7 +1,7 @@
 """Rollout with a span of stochastic steps, and the per-step log-prob evaluation the trainer shares with it.
 
 Steps outside the span ``[start, start + S)`` are deterministic ODE steps; the S steps inside are SDE steps
-(:class:`~sp_diffusers.flowgrpo.steps.StepRule`) whose log-probs make the policy. FlowGRPO's span is its window
+(:class:`~sp_diffusers.flowgrpo.sde.StepRule`) whose log-probs make the policy. FlowGRPO's span is its window
 (S = W, at a random start); DanceGRPO's is every step (S = N). Stored per sample: ``latents [B, S+1, ...]`` (the
 span's inputs and outputs), ``log_probs [B, S]``, ``train_steps [B, T]`` (the schedule steps each sample trains
 on: the whole window for FlowGRPO, a random subset per sample for DanceGRPO) and ``final`` (the reward input).
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ..devices import to_device
 from .pipeline_schedule import Schedule
-from .sde import SDEStep, ode_step
-from .steps import StepRule
+from .sde import SDEStep, StepRule, ode_step
 
 __all__ = ["Trajectory", "evaluate_window_step", "rollout", "velocity"]
 
@@ -31,6 +31,13 @@ class Trajectory:
     window_start: int  # index into the schedule of the span's first step
     final: torch.Tensor  # [B, ...] the denoised latents (reward input)
     train_steps: torch.Tensor | None = None  # [B, T] schedule steps to train on; None: every span step
+    host_steps: list[int] | None = None  # the T trained steps when every sample shares them (two experts)
+
+    def host_step(self, k: int) -> int | None:
+        """The schedule step of the k-th trained step as a host int when every sample shares it, else None."""
+        if self.train_steps is None:
+            return self.window_start + k
+        return self.host_steps[k] if self.host_steps is not None else None
 
     def steps(self) -> torch.Tensor:
         """``[B, T]`` long: the schedule step of each sample's k-th trained step."""
@@ -59,9 +66,13 @@ def velocity(
     timestep: torch.Tensor,
     cond: dict[str, Any],
     cfg_scale: float,
+    step: int | None = None,
 ) -> torch.Tensor:
     """The model's velocity at ``latents`` and the model timestep ``timestep`` (0-d or ``[B]``, 0..1000 scale);
-    with ``cfg_scale > 1`` classifier-free guidance."""
+    with ``cfg_scale > 1`` classifier-free guidance. ``step``: the schedule step (a host int), which picks the
+    expert of a two-expert model (``experts.ExpertEngines``, Wan2.2); a plain engine ignores it."""
+    if step is not None and hasattr(engine, "for_step"):
+        engine = engine.for_step(step)
     dtype = next(engine.model.parameters()).dtype
     x = latents.to(dtype)
     v = engine.forward(
@@ -100,11 +111,11 @@ def evaluate_window_step(
 ) -> SDEStep:
     """Log-prob of the stored ``next_latents`` under the current policy at schedule step ``step_index`` (an int,
     or a ``[B]`` long tensor when each sample trains on its own step, as DanceGRPO's do)."""
-    if isinstance(step_index, torch.Tensor):
-        timestep = schedule.timesteps.to(step_index.device)[step_index]
-    else:
-        timestep = schedule.timesteps[step_index]
-    v = velocity(engine, adapter, latents, timestep.to(latents.device), cond, cfg_scale)
+    # per-sample steps: the caller passes the engine of their expert; indexed where the latents are (a per-sample
+    # index never travels to the host)
+    step = None if isinstance(step_index, torch.Tensor) else step_index
+    timestep = schedule.on(latents.device).timesteps[to_device(step_index, latents.device)]
+    v = velocity(engine, adapter, latents, timestep, cond, cfg_scale, step=step)
     return rule.step(latents, v, schedule.sigmas, step_index, prev_sample=next_latents)
 
 
@@ -126,7 +137,7 @@ def rollout(
 
     ``final_is_prediction``: the reward reads the last step's predicted data ``x - sigma v`` instead of the
     sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same)."""
-    sigmas, timesteps = schedule.sigmas, schedule.timesteps
+    sigmas = schedule.sigmas  # the CPU copy: its numbers are read on the host
     num_steps = schedule.num_steps
     if not 0 <= window_start <= num_steps - window_size:
         raise ValueError(
@@ -134,10 +145,13 @@ def rollout(
             f"fix: flowgrpo.window_range within [0, {num_steps - window_size + 1})"
         )
     x = noise.float()
+    on_device = schedule.on(
+        x.device
+    ).timesteps  # each step's timestep indexed there, not copied from the host
     stored, log_probs = [], []
     final = None
     for i in range(num_steps):
-        v = velocity(engine, adapter, x, timesteps[i].to(x.device), cond, cfg_scale)
+        v = velocity(engine, adapter, x, on_device[i], cond, cfg_scale, step=i)
         if i == num_steps - 1 and final_is_prediction:
             final = x - float(sigmas[i]) * v
         if window_start <= i < window_start + window_size:

@@ -17,6 +17,7 @@ from typing import IO
 
 import torch.distributed as dist
 
+from ..devices import collective_device
 from .config import ConfigError
 
 __all__ = ["LOCK_NAME", "RunDirInUse", "lock_run_dir"]
@@ -61,7 +62,7 @@ def lock_run_dir(out_dir: str | os.PathLike, rank: int) -> IO[str] | None:
     handle, error = _try_lock(Path(out_dir)) if rank == 0 else (None, None)
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [error]
-        dist.broadcast_object_list(shared, src=0)
+        dist.broadcast_object_list(shared, src=0, device=collective_device())
         error = shared[0]
     if error is not None:
         kind, message = error

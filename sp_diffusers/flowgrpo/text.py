@@ -151,16 +151,18 @@ class UMT5TextEncoder:
 
 
 class PipelineTextEncoder:
-    """A diffusers pipeline's own text encoders (``text.pipeline``: a pipeline folder, e.g. SD3.5-Medium).
+    """A diffusers pipeline's own text encoders (``text.pipeline`` or ``model.pipeline``: a pipeline folder).
 
     Loads the pipeline without its transformer and VAE and calls its ``encode_prompt``, so prompts are
     encoded exactly as at inference: for ``StableDiffusion3Pipeline`` CLIP-L + CLIP-G (pooled, and
     hidden states padded to T5's width) followed by T5 (``max_sequence_length`` tokens); for ``WanPipeline``
-    UMT5, cut at each prompt's length and zero-padded to ``max_sequence_length``. Both transformers attend to
-    every text token, padding included, so the masks are all True. Frozen, no gradients.
+    UMT5, cut at each prompt's length and zero-padded to ``max_sequence_length``; for ``FluxPipeline`` CLIP (pooled)
+    and T5 (``max_sequence_length`` tokens). Those transformers attend to every text token, padding included, so the
+    masks are all True. ``QwenImagePipeline``: Qwen2.5-VL's last hidden states after the template, ragged, with a
+    mask (its transformer masks the padding). Frozen, no gradients.
     """
 
-    SUPPORTED = ("StableDiffusion3Pipeline", "WanPipeline")
+    SUPPORTED = ("StableDiffusion3Pipeline", "WanPipeline", "QwenImagePipeline", "FluxPipeline")
 
     def __init__(
         self,
@@ -193,7 +195,7 @@ class PipelineTextEncoder:
             kwargs["torch_dtype"] = dtype  # newer diffusers also take `dtype`; every supported one takes this
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            if name == "WanPipeline":
+            if name == "WanPipeline" and "transformer_2" in json.loads(index.read_text()):
                 kwargs["transformer_2"] = None
             self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, vae=None, **kwargs)
         self.pipe.set_progress_bar_config(disable=True)
@@ -206,8 +208,23 @@ class PipelineTextEncoder:
 
     @property
     def hidden_size(self) -> int:
-        encoder = self.pipe.text_encoder if self.pipeline_class == "WanPipeline" else self.pipe.text_encoder_3
-        return int(encoder.config.d_model)
+        """The width of the embeddings the transformer receives."""
+        if self.pipeline_class == "QwenImagePipeline":
+            config = self.pipe.text_encoder.config
+            return int(getattr(config, "text_config", config).hidden_size)
+        encoder = {"WanPipeline": "text_encoder", "FluxPipeline": "text_encoder_2"}.get(self.pipeline_class, "text_encoder_3")
+        return int(getattr(self.pipe, encoder).config.d_model)
+
+    def _dense(self, prefix: str, embeds: torch.Tensor, pooled: torch.Tensor | None = None) -> dict[str, Any]:
+        """Every row of every prompt seen (masks all True), as the maskless transformers see the padding."""
+        embeds = embeds.float().cpu()
+        out = {
+            f"{prefix}prompt_embeds": list(embeds),
+            f"{prefix}prompt_embeds_mask": [torch.ones(embeds.shape[1], dtype=torch.bool)] * embeds.shape[0],
+        }
+        if pooled is not None:
+            out[f"{prefix}pooled_prompt_embeds"] = pooled.float().cpu()
+        return out
 
     @torch.no_grad()
     def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
@@ -220,11 +237,23 @@ class PipelineTextEncoder:
                 max_sequence_length=self.max_sequence_length,
                 device=self.device,
             )
-            embeds = embeds.float().cpu()
+            return self._dense(prefix, embeds)
+        if self.pipeline_class == "QwenImagePipeline":
+            # ragged, as the pipeline gives its transformer: each prompt's rows, a mask over them
+            embeds, mask = self.pipe.encode_prompt(
+                prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+            lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(prompts)
             return {
-                f"{prefix}prompt_embeds": list(embeds),
-                f"{prefix}prompt_embeds_mask": [torch.ones(embeds.shape[1], dtype=torch.bool)] * len(prompts),
+                f"{prefix}prompt_embeds": [e[: int(n)].float().cpu() for e, n in zip(embeds, lengths, strict=True)],
+                f"{prefix}prompt_embeds_mask": [torch.ones(int(n), dtype=torch.bool) for n in lengths],
             }
+        if self.pipeline_class == "FluxPipeline":
+            # CLIP pooled + T5 padded to max_sequence_length: the transformer attends to every T5 row
+            embeds, pooled, _ = self.pipe.encode_prompt(
+                prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+            return self._dense(prefix, embeds, pooled)
         embeds, _, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts,
             prompt_2=None,
@@ -233,9 +262,4 @@ class PipelineTextEncoder:
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
         )
-        embeds, pooled = embeds.float().cpu(), pooled.float().cpu()
-        return {
-            f"{prefix}prompt_embeds": list(embeds),
-            f"{prefix}prompt_embeds_mask": [torch.ones(embeds.shape[1], dtype=torch.bool)] * len(prompts),
-            f"{prefix}pooled_prompt_embeds": pooled,
-        }
+        return self._dense(prefix, embeds, pooled)

@@ -13,7 +13,9 @@ batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and T
 installed), ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
 restarted run resumes from the newest one.
 
-Building the parts from the config: ``build.py``; the policy update: ``update.py``; metrics: ``metrics.py``.
+Building the parts from the config: ``build.py`` (a pipeline folder: ``pipeline_io.py``; Wan2.2's experts:
+``experts.py``); prompts: ``data.py``; rewards: ``reward_scoring.py``; the policy update: ``update.py``; eval and
+sample grids: ``evaluate.py``; metrics: ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -27,23 +29,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..devices import collective_device, fetch_scalars, to_device
 from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
 from .advantages import group_advantages
 from .build import (
-    build_model,
     build_text_encoder,
     check_algorithm,
     check_run,
-    engine_settings,
     run_schedule,
     step_rule,
 )
 from .config import TrainConfig, validate
+from .data import PromptRow, PromptStream, read_prompts
+from .decode import PixelDecoder
+from .evaluate import Evaluator
+from .experts import ExpertEngines, build_engines, check_expert_steps, route, share_step_choices
 from .metrics import RunLog
 from .models import build_adapter
-from .rewards import Reward, build_reward
+from .pipeline_io import load_vae, resolve_pipeline
+from .reward_scoring import RewardSet
+from .rewards import Reward
 from .rollout import Trajectory, evaluate_window_step, rollout
 from .run_lock import lock_run_dir
 from .selection import kept_samples
@@ -78,26 +85,43 @@ class FlowGRPOTrainer:
         init_distributed()
         self.config = c = config
         check_algorithm(c)
+        # prompt files first: a typo in a path fails before any model is built
+        train_rows = read_prompts(c.data.train, "data.train") if c.data.train else []
+        eval_rows = read_prompts(c.data.eval, "data.eval") if c.data.eval else []
+        resolve_pipeline(c)  # model.pipeline: its family becomes model.kind
         # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
         # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        model = model if model is not None else build_model(c)
-        self.engine = (engine_factory or FSDPEngine)(model, engine_settings(c))
+        # one engine, or Wan2.2's two experts (experts.py)
+        self.engine = build_engines(c, model, engine_factory or FSDPEngine)
         self.text_encoder = build_text_encoder(c, self.engine.device)
         self.adapter = build_adapter(
             self.engine.model,
             c.model.image_size,
-            pooled_from_encoder=bool(c.text.pipeline),
+            pooled_from_encoder=bool(c.text.pipeline or c.model.pipeline),
             frames=c.model.frames,
             text_len=c.text.max_sequence_length,
+            guidance_scale=c.flowgrpo.guidance_scale,
+            image_width=c.model.image_width,
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
-        self.reward = reward if reward is not None else build_reward(c.flowgrpo.reward, self.adapter.channels)
+        # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
+        self.reward = reward
+        vae = load_vae(c)  # model.pipeline's: pixels for rewards and sample grids
+        self.decoder = PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
+        self.rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
+        if isinstance(self.engine, ExpertEngines):
+            self.engine.bind_schedule(self.schedule.timesteps)
+            check_expert_steps(self.engine, c)
         self.rule = step_rule(c)
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
+        # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
+        self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
+        self.data_base = (0, 0)
+        self.evaluator = Evaluator(self, eval_rows, eval_rows or train_rows or [PromptRow(p) for p in self.prompts])
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.start_iteration = 0
@@ -113,10 +137,16 @@ class FlowGRPOTrainer:
         """Prompts, their ragged embeddings, and the initial noise for this DP rank (same on SP peers)."""
         g = self.config.flowgrpo
         gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, self.engine.dp_rank))
-        picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
-        prompts = [self.prompts[i] for i in picks for _ in range(g.group_size)]
+        if self.stream is not None:
+            start = self.data_position(iteration) + self.engine.dp_rank * g.prompts_per_rank
+            rows = self.stream.rows_at(start, g.prompts_per_rank)
+        else:
+            picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
+            rows = [PromptRow(self.prompts[i]) for i in picks]
+        prompts = [r.prompt for r in rows for _ in range(g.group_size)]
         batch: dict[str, Any] = {
             "prompts": prompts,
+            "metadata": [r.metadata for r in rows for _ in range(g.group_size)],
             **self.text_encoder.encode_batch(prompts),
             "group_ids": torch.tensor(
                 [
@@ -139,7 +169,15 @@ class FlowGRPOTrainer:
             )
         if g.cfg_scale > 1.0:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
+        if isinstance(self.engine, ExpertEngines):  # every rank trains the same expert at a time
+            share_step_choices(batch, self.engine, self.config, _seed(self.config.train.seed, iteration, 0x2E))
         return batch
+
+    def data_position(self, iteration: int) -> int:
+        """The stream position iteration ``iteration`` starts at (each takes dp x prompts_per_rank prompts)."""
+        base_iteration, base_position = self.data_base
+        per_iteration = self.engine.dp_size * self.config.flowgrpo.prompts_per_rank
+        return base_position + (iteration - base_iteration) * per_iteration
 
     def _cond(self, batch: dict[str, Any], index: torch.Tensor | None = None) -> dict[str, Any]:
         keys = (
@@ -174,17 +212,17 @@ class FlowGRPOTrainer:
                 g.cfg_scale,
                 final_is_prediction=dance,
             )
-            traj.train_steps = batch.get("train_steps")
+            traj.train_steps, traj.host_steps = batch.get("train_steps"), batch.get("train_steps_host")
             if self.engine.debug_checks:
                 self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
-            rewards = self.reward(self.adapter.reward_view(traj.final), batch["prompts"]).float().cpu()
+            rewards, per_reward = self.score(traj.final, batch)
             old_log_probs = traj.rollout_log_probs()
             if g.recompute_old_log_probs:
                 everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
                 old_log_probs = torch.stack(
                     [
                         evaluate_window_step(
-                            self.engine,
+                            route(self.engine, traj.host_step(k)),
                             self.adapter,
                             *traj.step_latents(everyone, k)[1:],
                             self.schedule,
@@ -197,7 +235,12 @@ class FlowGRPOTrainer:
                     ],
                     dim=1,
                 )
-        all_rewards, all_groups = self._gather_dp(rewards), self._gather_dp(batch["group_ids"].cpu())
+        # rewards, advantages and their statistics stay on the device (read once, below)
+        device = traj.latents.device
+        all_groups = self._gather_dp(to_device(batch["group_ids"], device))
+        # the total and each reward in one gather: [B, 1 + R]
+        table = self._gather_dp(to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))
+        all_rewards = table[:, 0].contiguous()
         # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
         advantages_all = group_advantages(
             all_rewards,
@@ -219,23 +262,30 @@ class FlowGRPOTrainer:
                 batch["shuffle_seed"] + 1,
             )
         stats = {
-            "reward_mean": all_rewards.mean().item(),
-            "reward_std": all_rewards.std(correction=0).item(),
-            "zero_advantage_fraction": (advantages_all == 0).double().mean().item(),
+            "reward_mean": all_rewards.mean(),
+            "reward_std": all_rewards.std(correction=0),
+            "zero_advantage_fraction": (advantages_all == 0).double().mean(),
         }
-        return traj, advantages.to(traj.latents.device), old_log_probs.detach(), stats
+        if len(per_reward) > 1 or (per_reward and self.config.flowgrpo.rewards):
+            stats.update({f"reward/{name}": table[:, 1 + j].mean() for j, name in enumerate(per_reward)})
+        return traj, advantages, old_log_probs.detach(), fetch_scalars(stats)
+
+    def score(self, final: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The total reward ``[B]`` (float32) of the final latents and each reward's scores (``reward_scoring``;
+        split over the SP group, identical on its ranks), on the latents' device."""
+        if self.reward is not None:
+            return self.reward(self.adapter.reward_view(final), batch["prompts"]).float(), {}
+        total, each = self.rewards(final, batch["prompts"], batch.get("metadata"))
+        return to_device(total, final.device), to_device(each, final.device)
 
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
         if self.engine.dp_group is None or self.engine.dp_size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.engine.dp_size)]
-        if dist.get_backend(self.engine.dp_group) == "nccl":
-            parts = [p.cuda() for p in parts]
-            dist.all_gather(parts, t.cuda(), group=self.engine.dp_group)
-            parts = [p.cpu() for p in parts]
-        else:
-            dist.all_gather(parts, t, group=self.engine.dp_group)
-        return torch.cat(parts)
+        group = self.engine.dp_group
+        mine = to_device(t, collective_device(group))
+        gathered = mine.new_empty((self.engine.dp_size * mine.shape[0], *mine.shape[1:]))  # rank-major
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        return to_device(gathered, t.device)
 
     def update(
         self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
@@ -268,6 +318,8 @@ class FlowGRPOTrainer:
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
         metrics.update(stats)
+        if self.stream is not None:
+            metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1
         metrics["seconds"] = time.perf_counter() - start
         return metrics
@@ -275,18 +327,22 @@ class FlowGRPOTrainer:
     # ------------------------------------------------------------------------------------------- loop
 
     def _resume(self) -> None:
-        if not self.config.train.resume or find_latest(self.ckpt_dir) is None:
+        latest = getattr(self.engine, "find_latest", find_latest)  # two experts: one root each
+        if not self.config.train.resume or latest(self.ckpt_dir) is None:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)
         self.start_iteration = int(extra.get("iteration", 0))
+        # checkpoints older than data files: the position an unchanged layout reaches
+        self.data_base = (self.start_iteration, int(extra.get("data_position", self.data_position(self.start_iteration))))
         if self.rank == 0:
             print(
-                f"resumed from {find_latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
+                f"resumed from {latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
             )
         self.log.truncate(self.start_iteration)
 
     def save(self, iteration: int) -> Path:
-        return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra={"iteration": iteration})
+        extra = {"iteration": iteration, "data_position": self.data_position(iteration)}
+        return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra=extra)
 
     def run(self) -> list[dict[str, Any]]:
         """Train to ``train.iterations``, resuming from the newest checkpoint; one run per ``train.out_dir`` at a
@@ -314,33 +370,17 @@ class FlowGRPOTrainer:
                 )
             self.log.close(plot=False)
             return self.history
-        bar = None
-        if self.rank == 0 and c.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=c.iterations,
-                initial=self.start_iteration,
-                desc="FlowGRPO",
-                unit="it",
-                dynamic_ncols=True,
-            )
+        if c.progress:
+            self.log.start_progress(c.iterations, self.start_iteration)
         for it in range(self.start_iteration, c.iterations):
             metrics = self.train_iteration(it)
-            self.log.append(metrics)
-            if bar is not None:
-                bar.update(1)
-                # what moves in an on-policy run (its loss is ~0 and ppo_kl 0 by construction)
-                bar.set_postfix(
-                    reward=f"{metrics['reward_mean']:+.3f}",
-                    clip=f"{metrics.get('clipfrac', 0.0):.2f}",
-                    grad=f"{metrics.get('grad_norm', 0.0):.2f}",
-                    s_it=f"{metrics['seconds']:.1f}",
-                )
+            if c.eval_every and (it + 1) % c.eval_every == 0:
+                metrics.update(self.evaluator.evaluate())
+            if c.sample_every and (it + 1) % c.sample_every == 0:
+                self.evaluator.write_samples(it + 1)
+            self.log.append(metrics)  # and the progress bar
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
                 self.save(it + 1)
-        if bar is not None:
-            bar.close()
         if self.start_iteration < c.iterations:
             self.save(c.iterations)
         layout = self.engine.layout

@@ -18,16 +18,32 @@ from typing import Any
 
 import torch
 
+from ..devices import fetch_scalars, to_device
 from ..engine import FSDPEngine
 from .config import FlowGRPOConfig
+from .experts import route
 from .loss import flowgrpo_loss
 from .pipeline_schedule import Schedule
 from .rollout import Trajectory, evaluate_window_step
-from .steps import StepRule
+from .sde import StepRule
 
-__all__ = ["policy_update", "window_step_loss"]
+__all__ = ["kl_std", "policy_update", "window_step_loss"]
 
 CondFn = Callable[[torch.Tensor], dict[str, Any]]  # sample indices -> the text conditioning of those samples
+
+
+def kl_std(
+    rule: StepRule, g: FlowGRPOConfig, std_dev_t: torch.Tensor, schedule: Schedule, steps: torch.Tensor
+) -> torch.Tensor:
+    """The ``[b]`` std the KL term divides by: the step's ``std_dev_t``, except for DanceGRPO with
+    ``flowgrpo.dance_kl: verl_omni``, whose KL is the Gaussian KL of the two steps: ``eta sqrt(sigma - sigma')``,
+    the std of the step's noise (verl-omni's ``dance_sde`` returns that std and divides by it). flow_grpo's SDE
+    KL has no ``dt`` factor either (its ``std_t`` leaves ``sqrt(-dt)`` out); ``dance_kl: flow_grpo`` keeps that
+    scale (``eta``), a KL ``1 / (sigma - sigma')`` times smaller."""
+    if rule.sde_type != "dance" or g.dance_kl != "verl_omni":
+        return std_dev_t
+    sigmas = schedule.sigmas.to(device=steps.device, dtype=std_dev_t.dtype)
+    return std_dev_t * torch.sqrt(sigmas[steps] - sigmas[steps + 1])
 
 
 def window_step_loss(
@@ -63,7 +79,7 @@ def window_step_loss(
         kl_args = dict(
             prev_sample_mean=step.prev_sample_mean,
             ref_prev_sample_mean=ref.prev_sample_mean,
-            std_dev_t=step.std_dev_t,
+            std_dev_t=kl_std(rule, g, step.std_dev_t, schedule, steps),
         )
     return flowgrpo_loss(
         step.log_prob,
@@ -94,9 +110,10 @@ def policy_update(
     metrics (grad norm, lr). ``old_log_probs`` is ``[B, T]``, aligned with ``traj.steps()``."""
     if indices is None:
         indices = torch.arange(traj.latents.shape[0])
-    indices = indices.cpu()
+    indices = indices.cpu()  # host indices (from the host-side selection): shuffled and cut on the host
+    device = traj.latents.device
     num_trained = traj.steps().shape[1]
-    sums: dict[str, float] = {}
+    sums: dict[str, Any] = {}  # on the device: read once, at the end
     count = 0
     optim_metrics: dict[str, float] = {}
     for epoch in range(g.inner_epochs if indices.numel() else 0):
@@ -108,7 +125,7 @@ def policy_update(
             normalizer = float(len(micros) * num_trained)
             engine.zero_grad()
             for micro in micros:
-                idx = micro.to(traj.latents.device)
+                idx = to_device(micro, device)
                 cond = cond_of(idx)
                 for k in range(num_trained):
                     loss_fn = functools.partial(
@@ -125,12 +142,13 @@ def policy_update(
                         old_log_probs=old_log_probs,
                         normalizer=normalizer,
                     )
-                    for key, value in engine.forward_backward(None, loss_fn).items():
-                        if isinstance(value, float):
+                    # two experts: the one that runs this step (the same on every rank: experts.py)
+                    for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():
+                        if isinstance(value, float) or (torch.is_tensor(value) and value.numel() == 1):
                             sums[key] = sums.get(key, 0.0) + value
                     count += 1
-            optim_metrics = engine.optimizer_step()
-    out = {k: v / max(1, count) for k, v in sums.items()}
+            optim_metrics = engine.optimizer_step()  # one read per optimizer step: the gradient norm
+    out = fetch_scalars({k: v / max(1, count) for k, v in sums.items()})  # and one for the update's metrics
     out.update(optim_metrics)
     out["trained_samples"] = float(indices.numel())
     return out

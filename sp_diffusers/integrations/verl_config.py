@@ -66,6 +66,8 @@ class DiffusionModelConfig:
     # Ulysses x Ring: verl's FSDPEngineConfig carries the Ulysses degree only (and refuses unknown keys),
     # so the ring degree rides here (actor_rollout_ref.model.ring_degree); SP degree = ulysses x ring.
     ring_degree: int = 1
+    # the values of a ``module`` built on meta (EngineSettings.weights: a safetensors folder, a state dict, ...)
+    weights: Any = field(default=None, repr=False)
 
 
 def get_field(config: Any, name: str, default: Any = None) -> Any:
@@ -204,6 +206,7 @@ def engine_settings(
         ),
         debug_checks=bool(get_field(model_config, "debug_checks", False)),
         device=device,
+        weights=get_field(model_config, "weights", None),
     )
 
 
@@ -242,6 +245,7 @@ def verl_configs(settings: EngineSettings, module: torch.nn.Module) -> tuple[Any
         use_fsdp=settings.use_fsdp,
         device=str(settings.device) if settings.device is not None else None,
         ring_degree=settings.ring_degree,
+        weights=settings.weights,
     )
     return model_config, engine_config, optimizer_config
 

@@ -35,6 +35,7 @@ from tensordict.tensorclass import NonTensorData, NonTensorStack
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import BaseEngine
 
+from ..devices import fetch_scalars
 from ..engine import FSDPEngine
 from .verl_config import config_error, engine_settings, get_field, model_dtype, parallel_dims
 from .verl_weights import per_tensor_params
@@ -132,7 +133,7 @@ class SPDiffusersEngine(BaseEngine):
                     "model_config has neither path nor tiny nor module; fix: set actor_rollout_ref.model.path to a "
                     "diffusers pipeline or transformer folder (save_pretrained)"
                 )
-        return module.to(model_dtype(self.engine_config))
+        return module.to(model_dtype(self.engine_config))  # a no-op for a model loaded in that dtype
 
     def _load_pretrained(self, path: str) -> torch.nn.Module:
         from diffusers import AutoModel
@@ -146,7 +147,10 @@ class SPDiffusersEngine(BaseEngine):
                 f"actor_rollout_ref.model.path={path!r} has no {subfolder + '/' if subfolder else ''}config.json; "
                 "fix: point it at a transformer folder written by save_pretrained or a pipeline folder"
             )
-        return AutoModel.from_pretrained(path, subfolder=subfolder)
+        # in the training dtype straight from the files: never a float32 copy of a bf16 checkpoint first
+        return AutoModel.from_pretrained(
+            path, subfolder=subfolder, torch_dtype=model_dtype(self.engine_config)
+        )
 
     def _device(self) -> torch.device | None:
         explicit = get_field(self.model_config, "device", None)
@@ -334,14 +338,17 @@ class SPDiffusersEngine(BaseEngine):
             if forward_only:
                 with torch.no_grad():
                     loss, m = loss_fn(engine, batch)
-                m = {k: (v.item() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in m.items()}
-                m.setdefault("loss", float(loss))
+                m = {k: (v.detach() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in m.items()}
+                m.setdefault("loss", loss.detach())
             else:
                 # the micro-batch's share of the local batch: the summed gradients are the local-batch mean's;
                 # num_samples weights data-parallel ranks that hold different counts by their share
                 m = engine.forward_backward(batch, loss_fn, loss_scale=len(micro) / n, num_samples=n)
             losses.append(m["loss"])
             _append(metrics, m)
+        # every micro-batch's metrics stayed on the device until here: one transfer for the whole batch
+        metrics = fetch_scalars({**metrics, " losses": losses})
+        losses = metrics.pop(" losses")
         model_output = {k: torch.cat(v) for k, v in outputs.items()}
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 

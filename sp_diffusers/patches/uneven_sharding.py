@@ -4,10 +4,12 @@ Defect: ``EquipartitionSharder.shard`` asserts ``tensor.size(dim) % mesh.size() 
 ``AssertionError: Tensor size along dimension to be sharded must be divisible by mesh size`` that names
 neither the input nor the fix: a prompt of 7 tokens at SP = 2, a video whose frames x height x width is odd,
 any aspect ratio that leaves a remainder. Its gather (``EquipartitionSharder.unshard``) returns an
-``AsyncCollectiveTensor`` that ``torch.save`` cannot pickle and that aborts at interpreter exit when a rank
-never reads it. diffusers' own way out, ``ulysses_anything`` (0.37+), shards unevenly but its gather
-all-gathers tensors of different sizes, which gloo refuses, and its attention backward raises
-``NotImplementedError``: inference only.
+``AsyncCollectiveTensor`` that ``torch.save`` cannot pickle. (The SIGABRT at interpreter exit of a rank that
+never reads its output is not this gather's doing, nor fixed by replacing it: any gloo collective whose worker
+thread drops the finished work after the caller can cause it - the output all-gather and the attention
+all-to-all alike; ``sp_diffusers.exit_hook`` ends it.) diffusers' own way out, ``ulysses_anything`` (0.37+),
+shards unevenly but its gather all-gathers tensors of different sizes, which gloo refuses, and its attention
+backward raises ``NotImplementedError``: inference only.
 Affected: every release with context parallelism, 0.36-0.42. Upstream: none (the sharder's own comment says
 the uneven case "has not yet been tested/required for any model").
 Fix: ``shard`` splits a length that does not divide the degree the way ``torch.tensor_split`` does (the

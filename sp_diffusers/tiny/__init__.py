@@ -10,19 +10,31 @@ token counts are multiples of 4 so Ulysses degrees 1, 2 and 4 all divide them (a
     video_models.py    Wan, HunyuanVideo, HunyuanVideo-1.5, CogVideoX
     wan_variants.py    ChronoEdit, Wan-VACE, Helios
     av_models.py       LTX-Video, LTX-2 (audio + video), MiniMax-H3
-    pipelines.py       whole pipelines written with save_pretrained (SD3, Wan), the tiny UMT5 text encoder
+    pipelines.py       whole pipelines written with save_pretrained (Qwen-Image, Flux, SD3, Wan 2.1 / 2.2)
+    text_parts.py      their tiny text encoders, tokenizers and VAEs; a tiny CLIP folder (the CLIP reward)
 """
 
 from __future__ import annotations
 
 from . import av_models, image_models, video_models, wan_variants  # noqa: F401  (each registers its kinds)
 from ._registry import _KINDS, tiny_inputs, tiny_model, tiny_model_config
-from .pipelines import save_tiny_sd3_pipeline, save_tiny_wan_pipeline
+from .pipelines import (
+    save_tiny_flux_pipeline,
+    save_tiny_pipeline,
+    save_tiny_qwenimage_pipeline,
+    save_tiny_sd3_pipeline,
+    save_tiny_wan_pipeline,
+)
+from .text_parts import save_tiny_clip
 
 TINY_MODELS = tuple(_KINDS)
 
 __all__ = [
     "TINY_MODELS",
+    "save_tiny_clip",
+    "save_tiny_flux_pipeline",
+    "save_tiny_pipeline",
+    "save_tiny_qwenimage_pipeline",
     "save_tiny_sd3_pipeline",
     "save_tiny_wan_pipeline",
     "tiny_inputs",

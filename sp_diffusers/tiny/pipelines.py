@@ -1,4 +1,10 @@
-"""Tiny diffusers pipelines written with ``save_pretrained``: the real loading paths, nothing downloaded."""
+"""Tiny diffusers pipelines written with ``save_pretrained``: the real loading paths, nothing downloaded.
+
+Every pipeline holds the real classes its released checkpoint holds (transformer(s), text encoder(s), tokenizer(s),
+scheduler with the released scheduler config, VAE), with small configs and fixed seeds (``text_parts.py``), so
+``DiffusionPipeline.from_pretrained``, ``encode_prompt``, the schedule, VAE decoding and ``__call__`` all run as with
+the real checkpoint. Each VAE compresses 2x spatially (latent 8 x 8 -> 16 x 16 pixels; Wan also 2x in time).
+"""
 
 from __future__ import annotations
 
@@ -6,153 +12,141 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..scheduler_configs import scheduler_kwargs
 from ._registry import tiny_model
+from .text_parts import (
+    char_tokenizer,
+    tiny_autoencoder_kl,
+    tiny_clip_text,
+    tiny_qwen25vl,
+    tiny_qwenimage_vae,
+    tiny_t5,
+    tiny_umt5,
+    tiny_wan_vae,
+)
 
-__all__ = ["WAN_SCHEDULER_CONFIG", "save_tiny_sd3_pipeline", "save_tiny_wan_pipeline", "tiny_umt5"]
+__all__ = [
+    "PIPELINE_WRITERS",
+    "WAN_SCHEDULER_CONFIG",
+    "save_tiny_flux_pipeline",
+    "save_tiny_pipeline",
+    "save_tiny_qwenimage_pipeline",
+    "save_tiny_sd3_pipeline",
+    "save_tiny_wan_pipeline",
+    "tiny_umt5",
+]
 
 # Wan2.1-T2V-1.3B-Diffusers' scheduler_config.json (UniPC, flow sigmas, flow_shift 3)
 WAN_SCHEDULER_CONFIG = scheduler_kwargs("wan")
 
 
-def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
-    """Write a tiny ``StableDiffusion3Pipeline`` (no VAE) to ``folder`` and return it.
-
-    Real classes with small configs: the tiny SD3 transformer, two ``CLIPTextModelWithProjection`` (16 wide,
-    pooled 16 + 16 = the transformer's pooled_projection_dim), a ``T5EncoderModel`` (32 = its
-    joint_attention_dim) and character-level tokenizers, so ``PipelineTextEncoder`` and the
-    ``from_pretrained`` paths run exactly as with stable-diffusion-3.5, with nothing downloaded.
-    """
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        PreTrainedTokenizerFast,
-        T5Config,
-        T5EncoderModel,
-    )
-
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + [chr(c) for c in range(32, 127)]
-
-    def tokenizer(max_length: int) -> PreTrainedTokenizerFast:
-        raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-        raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
-        return PreTrainedTokenizerFast(
-            tokenizer_object=raw,
-            bos_token="<s>",
-            eos_token="</s>",
-            pad_token="<pad>",
-            unk_token="<unk>",
-            model_max_length=max_length,
-        )
-
-    def clip() -> CLIPTextModelWithProjection:
-        return CLIPTextModelWithProjection(
-            CLIPTextConfig(
-                vocab_size=len(words),
-                hidden_size=16,
-                intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                projection_dim=16,
-                max_position_embeddings=77,
-                pad_token_id=0,
-                bos_token_id=1,
-                eos_token_id=2,
-            )
-        )
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        text_encoder, text_encoder_2 = clip(), clip()
-        text_encoder_3 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(words),
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=1,
-                num_heads=2,
-                pad_token_id=0,
-                eos_token_id=2,
-            )
-        )
-    pipe = StableDiffusion3Pipeline(
-        transformer=tiny_model("sd3", seed=seed, **transformer_overrides),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=None,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer(77),
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer(77),
-        text_encoder_3=text_encoder_3,
-        tokenizer_3=tokenizer(512),
-    )
+def _save(pipe: Any, folder: str | os.PathLike) -> Path:
     pipe.save_pretrained(folder)
     return Path(folder)
 
 
-def tiny_umt5(seed: int = 1234, d_model: int = 32, num_layers: int = 2):
-    """``(ByT5Tokenizer, UMT5EncoderModel)``: Wan's text-encoder class, tiny and random (same seed, same weights),
-    over ByT5's byte vocabulary (a pure-python tokenizer that needs no files, so nothing is downloaded)."""
-    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
+    """A tiny ``StableDiffusion3Pipeline``: the tiny SD3 transformer, two ``CLIPTextModelWithProjection`` (16 wide,
+    pooled 16 + 16 = the transformer's pooled_projection_dim), a ``T5EncoderModel`` (32 = its joint_attention_dim),
+    character tokenizers, an ``AutoencoderKL`` (SD3's scaling and shift factors) and SD3's scheduler config."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    tokenizer = ByT5Tokenizer()
-    config = UMT5Config(
-        vocab_size=len(tokenizer),
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=num_layers,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
+    transformer = tiny_model("sd3", seed=seed, **transformer_overrides)
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("sd3")),
+        vae=tiny_autoencoder_kl(seed + 3, transformer.config.in_channels, 1.5305, 0.0609),
+        text_encoder=tiny_clip_text(seed),
+        tokenizer=char_tokenizer(77),
+        text_encoder_2=tiny_clip_text(seed + 1),
+        tokenizer_2=char_tokenizer(77),
+        text_encoder_3=tiny_t5(seed + 2, transformer.config.joint_attention_dim),
+        tokenizer_3=char_tokenizer(512),
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoder = UMT5EncoderModel(config)
-    return tokenizer, encoder.eval()
+    return _save(pipe, folder)
 
 
-def save_tiny_wan_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
-    """Write a tiny ``WanPipeline`` to ``folder`` and return it.
+def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
+    """A tiny ``QwenImagePipeline``: the tiny Qwen-Image transformer, a ``Qwen2_5_VLForConditionalGeneration`` text
+    encoder (32 wide = joint_attention_dim) with a character tokenizer, an ``AutoencoderKLQwenImage`` (z = in_channels
+    / 4: the pipeline packs 2 x 2 latents into one token) and Qwen-Image's scheduler config."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
-    Real classes with small configs: the tiny ``WanTransformer3DModel`` (text_dim 32), a ``UMT5EncoderModel``
-    (d_model 32) with a ``ByT5Tokenizer``, a tiny ``AutoencoderKLWan`` (z_dim = the transformer's channels; the
-    trainer never decodes, but ``WanPipeline.from_pretrained`` wants one) and Wan2.1's own
-    ``UniPCMultistepScheduler`` config (flow sigmas, flow_shift 3), so ``PipelineTextEncoder``, the pipeline
-    schedule and the ``from_pretrained`` paths run as with Wan2.1-T2V-1.3B-Diffusers, with nothing downloaded.
-    """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    transformer = tiny_model("qwenimage", seed=seed, **transformer_overrides)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("qwenimage")),
+        vae=tiny_qwenimage_vae(seed + 2, transformer.config.in_channels // 4),
+        text_encoder=tiny_qwen25vl(seed + 1, transformer.config.joint_attention_dim),
+        tokenizer=char_tokenizer(1024 + 34),
+        transformer=transformer,
+    )
+    return _save(pipe, folder)
 
+
+def save_tiny_flux_pipeline(
+    folder: str | os.PathLike, seed: int = 0, guidance_embeds: bool = True, **transformer_overrides: Any
+) -> Path:
+    """A tiny ``FluxPipeline`` shaped as FLUX.1-dev: the tiny Flux transformer with a guidance embedding
+    (``guidance_embeds``; FLUX.1-schnell has none), a ``CLIPTextModel`` (pooled 16 = pooled_projection_dim) and a
+    ``T5EncoderModel`` (32 = joint_attention_dim) with character tokenizers, an ``AutoencoderKL`` (Flux's scaling
+    and shift; latent channels = in_channels / 4, packed 2 x 2 by the pipeline) and FLUX.1-dev's scheduler config."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    transformer = tiny_model("flux", seed=seed, guidance_embeds=guidance_embeds, **transformer_overrides)
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("flux")),
+        vae=tiny_autoencoder_kl(seed + 3, transformer.config.in_channels // 4, 0.3611, 0.1159),
+        text_encoder=tiny_clip_text(seed + 1, transformer.config.pooled_projection_dim, projection=False),
+        tokenizer=char_tokenizer(77),
+        text_encoder_2=tiny_t5(seed + 2, transformer.config.joint_attention_dim),
+        tokenizer_2=char_tokenizer(512),
+        transformer=transformer,
+    )
+    return _save(pipe, folder)
+
+
+def save_tiny_wan_pipeline(
+    folder: str | os.PathLike, seed: int = 0, experts: int = 1, boundary_ratio: float = 0.875, **transformer_overrides: Any
+) -> Path:
+    """A tiny ``WanPipeline``: the tiny ``WanTransformer3DModel`` (text_dim 32), a ``UMT5EncoderModel`` (d_model 32)
+    with a ``ByT5Tokenizer``, an ``AutoencoderKLWan`` (z = the transformer's channels) and Wan2.1's scheduler config.
+
+    ``experts=2`` writes Wan2.2-A14B's layout: a second transformer (``transformer_2``, other weights: the low-noise
+    expert) and ``boundary_ratio`` (A14B T2V: 0.875) in the pipeline config; ``WanPipeline`` runs ``transformer`` at
+    timesteps >= ``boundary_ratio * num_train_timesteps`` and ``transformer_2`` below."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    if experts not in (1, 2):
+        raise ValueError(f"experts={experts!r}: a WanPipeline has 1 (Wan2.1) or 2 (Wan2.2-A14B) transformers")
     transformer = tiny_model("wan", seed=seed, **transformer_overrides)
     tokenizer, text_encoder = tiny_umt5(seed=seed + 1, d_model=transformer.config.text_dim)
-    z = transformer.config.in_channels
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 2)
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            z_dim=z,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.0] * z,
-            latents_std=[1.0] * z,
-        )
+    extra: dict[str, Any] = {}
+    if experts == 2:
+        extra = dict(transformer_2=tiny_model("wan", seed=seed + 10, **transformer_overrides), boundary_ratio=boundary_ratio)
     pipe = WanPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=vae,
+        vae=tiny_wan_vae(seed + 2, transformer.config.in_channels),
         scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
         transformer=transformer,
+        **extra,
     )
-    pipe.save_pretrained(folder)
-    return Path(folder)
+    return _save(pipe, folder)
+
+
+# family -> writer: the families the trainer reads from a pipeline folder (wan2.2: save_tiny_wan_pipeline(experts=2))
+PIPELINE_WRITERS = {
+    "qwenimage": save_tiny_qwenimage_pipeline,
+    "flux": save_tiny_flux_pipeline,
+    "sd3": save_tiny_sd3_pipeline,
+    "wan": save_tiny_wan_pipeline,
+}
+
+
+def save_tiny_pipeline(family: str, folder: str | os.PathLike, seed: int = 0, **options: Any) -> Path:
+    """``save_tiny_<family>_pipeline(folder, seed, **options)``; ``wan2.2`` is ``wan`` with two experts."""
+    if family == "wan2.2":
+        return save_tiny_wan_pipeline(folder, seed, experts=2, **options)
+    if family not in PIPELINE_WRITERS:
+        raise ValueError(f"no tiny pipeline for {family!r}; choose one of {(*PIPELINE_WRITERS, 'wan2.2')}")
+    return PIPELINE_WRITERS[family](folder, seed, **options)

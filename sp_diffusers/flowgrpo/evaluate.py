@@ -1,0 +1,114 @@
+"""Deterministic evaluation (``train.eval_every``) and sample grids (``train.sample_every``) during training.
+
+Evaluation samples every eval prompt once with the ODE (no SDE noise anywhere) from a fixed noise per prompt (seeded
+by ``train.seed`` and the prompt's index, so every evaluation of a run, and every layout, starts from the same
+noise), and scores the results with the run's rewards. The eval prompts are split over the data-parallel ranks; a
+rank with fewer pads with repeats (dropped from the metrics) so that every rank runs the same number of forwards,
+as FSDP's collectives need. Metrics: ``eval_reward_mean``, ``eval_reward_std`` and ``eval/<name>`` per configured
+reward.
+
+Sample grids render the first ``train.sample_count`` sample prompts (the eval prompts, else the training file's
+first rows, else the built-in prompts) the same way on every rank, and rank 0 writes ``<out_dir>/samples/
+iteration-N.png`` (video: ``.mp4``, ``.gif`` without a video writer), decoded by the pipeline's VAE, or, without
+one, as a false-colour preview of the latents' first three channels.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import PromptRow
+from .media import save_pixels
+from .rollout import velocity
+from .sde import ode_step
+
+__all__ = ["Evaluator", "latent_preview", "ode_sample"]
+
+
+@torch.no_grad()
+def ode_sample(engine: Any, adapter: Any, cond: dict[str, Any], noise: torch.Tensor, schedule: Any, cfg_scale: float) -> torch.Tensor:
+    """``noise`` denoised from sigma 1 to 0 with deterministic Euler steps on ``schedule``: the final latents."""
+    x = noise.float()
+    for i in range(schedule.num_steps):
+        v = velocity(engine, adapter, x, schedule.timesteps[i].to(x.device), cond, cfg_scale, step=i)
+        x = ode_step(x, v, float(schedule.sigmas[i]), float(schedule.sigmas[i + 1]))
+    return x
+
+
+def latent_preview(adapter: Any, latents: torch.Tensor) -> torch.Tensor:
+    """Without a VAE: the first three latent channels, scaled to [0, 1] per sample, in the pixels' layout."""
+    z = adapter.vae_latents(latents).float()
+    z = z[:, :3] if z.shape[1] >= 3 else z[:, :1].expand(-1, 3, *z.shape[2:])
+    flat = z.flatten(1)
+    lo, hi = flat.min(dim=1).values, flat.max(dim=1).values
+    shape = (-1,) + (1,) * (z.ndim - 1)
+    return adapter.pixel_layout((z - lo.view(shape)) / (hi - lo).clamp_min(1e-6).view(shape))
+
+
+def _noise_seed(seed: int, index: int) -> int:
+    return (int(seed) * 2_654_435_761 + int(index) * 97 + 0xE7A1) % (2**63 - 1)
+
+
+class Evaluator:
+    """Eval metrics and sample grids for a ``FlowGRPOTrainer`` (its engine, adapter, text encoder, rewards)."""
+
+    def __init__(self, trainer: Any, eval_rows: list[PromptRow], sample_rows: list[PromptRow]) -> None:
+        self.t, self.eval_rows, self.sample_rows = trainer, list(eval_rows), list(sample_rows)
+
+    def noise(self, index: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(_noise_seed(self.t.config.train.seed, index))
+        return torch.randn(self.t.adapter.latent_shape(1), generator=g)
+
+    def render(self, rows: list[PromptRow], indices: list[int]) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The final latents of ``rows`` (noise of ``indices``), in micro-batches; and the last batch's text (for
+        scoring: prompts and metadata)."""
+        t, g = self.t, self.t.config.flowgrpo
+        finals = []
+        for lo in range(0, len(rows), g.micro_batch_size):
+            part, idx = rows[lo : lo + g.micro_batch_size], indices[lo : lo + g.micro_batch_size]
+            prompts = [r.prompt for r in part]
+            batch: dict[str, Any] = {
+                **t.text_encoder.encode_batch(prompts),
+                "latents": torch.cat([self.noise(i) for i in idx]),
+            }
+            if g.cfg_scale > 1.0:
+                batch.update(t.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
+            batch = t.engine.prepare_batch(batch)
+            with t.engine.eval_mode():
+                finals.append(ode_sample(t.engine, t.adapter, t._cond(batch), batch["latents"], t.schedule, g.cfg_scale))
+        return torch.cat(finals), {}
+
+    def evaluate(self) -> dict[str, float]:
+        """Every eval prompt once (ODE, fixed noise), scored: the mean total reward and each reward's mean."""
+        t = self.t
+        n, dp, rank = len(self.eval_rows), t.engine.dp_size, t.engine.dp_rank
+        per = math.ceil(n / dp)
+        mine = list(range(rank * per, min(n, (rank + 1) * per)))
+        valid = len(mine)
+        mine += [mine[-1] if mine else 0] * (per - valid)  # repeats keep every rank's forwards in step
+        rows = [self.eval_rows[i] for i in mine]
+        final, _ = self.render(rows, mine)
+        batch = {"prompts": [r.prompt for r in rows], "metadata": [r.metadata for r in rows]}
+        total, parts = t.score(final, batch)
+        table = torch.stack([total, *parts.values(), torch.arange(per) < valid], dim=1).float()
+        table = t._gather_dp(table)
+        table = table[table[:, -1] > 0.5]
+        metrics = {"eval_reward_mean": table[:, 0].mean().item(), "eval_reward_std": table[:, 0].std(correction=0).item()}
+        if len(parts) > 1 or (parts and t.config.flowgrpo.rewards):
+            metrics.update({f"eval/{name}": table[:, 1 + j].mean().item() for j, name in enumerate(parts)})
+        return metrics
+
+    def write_samples(self, iteration: int) -> Path | None:
+        """Render the sample prompts (every rank, the same work) and write the grid on rank 0; its path there."""
+        t = self.t
+        count = min(t.config.train.sample_count, len(self.sample_rows))
+        final, _ = self.render(self.sample_rows[:count], list(range(count)))
+        if t.rank != 0:
+            return None
+        decoder = getattr(t, "decoder", None)
+        pixels = decoder(final) if decoder is not None else latent_preview(t.adapter, final)
+        return save_pixels(pixels.cpu(), t.out_dir / "samples" / f"iteration-{iteration:08d}")

@@ -1,0 +1,196 @@
+"""Wan2.2-A14B's two experts: ``transformer`` for the high-noise steps, ``transformer_2`` for the low-noise ones,
+switched at ``boundary_ratio`` as ``WanPipeline`` switches them (timestep >= ratio x num_train_timesteps: the
+first), each trained (an ``FSDPEngine`` of its own: shards, optimizer, LoRA) or frozen (``model.experts`` chooses).
+
+``ExpertEngines`` looks like one engine to the trainer: ``for_step(i)`` is the expert of schedule step i (a host
+lookup: no sync), the rest (layout, batches, groups) is the first trained engine's, and ``zero_grad`` /
+``optimizer_step`` / checkpoints cover every trained one (``<checkpoints>/transformer``, ``.../transformer_2``).
+
+FSDP shards each expert over every rank, so every rank must run the same expert at the same moment. The rollout's
+steps are the same everywhere; for training, the window start (flow_grpo) and the trained steps (dance_grpo: one
+subset for the whole batch, not one per sample) are drawn from the iteration alone, the same on every data-parallel
+rank (``share_step_choices``), and only steps of trained experts are drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import FSDPEngine
+from ..engine.checkpoint import find_latest
+from .config import ConfigError, TrainConfig
+
+__all__ = ["ExpertEngines", "FrozenExpert", "build_engines", "check_expert_steps", "route", "share_step_choices"]
+
+
+class FrozenExpert:
+    """An expert that is not trained: on the device, under the same Ulysses SP as the engines, no FSDP, no optimizer
+    (a full copy per rank, in the compute dtype)."""
+
+    def __init__(self, model: torch.nn.Module, like: FSDPEngine) -> None:
+        import sp_diffusers
+
+        s = like.settings
+        model = model.to(like.device, torch.bfloat16 if s.mixed_precision == "bf16" else None)
+        model.requires_grad_(False).eval()
+        model.set_attention_backend(s.attention_backend)
+        if like.sp_size > 1:
+            model.enable_parallelism(
+                config=sp_diffusers.context_parallel_config(
+                    ulysses_degree=like.layout.ulysses, ring_degree=like.layout.ring, mesh=like.mesh
+                )
+            )
+        self.model = model
+
+    def forward(self, **inputs: Any) -> torch.Tensor:
+        return self.model(**inputs, return_dict=False)[0]
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        with torch.no_grad():
+            yield
+
+
+class ExpertEngines:
+    """The experts of one model, by name, and which runs each schedule step (``bind_schedule``)."""
+
+    def __init__(self, experts: dict[str, FSDPEngine | FrozenExpert], boundary_timestep: float) -> None:
+        self.experts, self.boundary_timestep = experts, float(boundary_timestep)
+        self.trained = {n: e for n, e in experts.items() if not isinstance(e, FrozenExpert)}
+        self.primary = next(iter(self.trained.values()))
+        self.route: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:  # layout, groups, device, batches: the first trained engine's
+        if name in ("experts", "trained", "primary", "route"):
+            raise AttributeError(name)
+        return getattr(self.primary, name)
+
+    def bind_schedule(self, timesteps: torch.Tensor) -> None:
+        """Step i runs ``transformer`` when ``timesteps[i] >= boundary``, else ``transformer_2`` (as WanPipeline)."""
+        names = list(self.experts)
+        self.route = [names[0] if float(t) >= self.boundary_timestep else names[-1] for t in timesteps.tolist()]
+
+    def for_step(self, step: int) -> FSDPEngine | FrozenExpert:
+        return self.experts[self.route[step]]
+
+    def trainable_steps(self) -> list[int]:
+        return [i for i, name in enumerate(self.route) if name in self.trained]
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for e in self.experts.values():
+                stack.enter_context(e.eval_mode())
+            yield
+
+    def zero_grad(self) -> None:
+        for e in self.trained.values():
+            e.zero_grad()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Each trained expert clips and steps on its own; ``grad_norm`` is the norm over both."""
+        out = {n: e.optimizer_step() for n, e in self.trained.items()}
+        metrics = dict(out[next(iter(out))])
+        metrics["grad_norm"] = math.sqrt(sum(m["grad_norm"] ** 2 for m in out.values()))
+        metrics["step_skipped"] = max(m["step_skipped"] for m in out.values())
+        metrics.update({f"grad_norm/{n}": m["grad_norm"] for n, m in out.items()})
+        return metrics
+
+    def save_checkpoint(self, root: str | Path, step: int | None = None, extra: dict | None = None) -> Path:
+        paths = [e.save_checkpoint(Path(root) / n, step, extra) for n, e in self.trained.items()]
+        return paths[0]
+
+    def find_latest(self, root: str | Path) -> Path | None:
+        found = {n: find_latest(Path(root) / n) for n in self.trained}
+        if all(p is None for p in found.values()):
+            return None
+        steps = {n: (p.name if p is not None else None) for n, p in found.items()}
+        if len(set(steps.values())) > 1:
+            from ..engine.checkpoint_files import CheckpointError
+
+            raise CheckpointError(
+                f"the experts' newest checkpoints differ ({steps}) under {root}; fix: point each expert's 'latest' "
+                "at the same step-* folder (the older one), or delete the newer one"
+            )
+        return next(iter(found.values()))
+
+    def load_checkpoint(self, root: str | Path) -> dict[str, Any]:
+        extras = [e.load_checkpoint(Path(root) / n) for n, e in self.trained.items()]
+        return extras[0]
+
+
+def route(engine: Any, step: int | None) -> Any:
+    """The engine that runs schedule step ``step``: an expert's, or ``engine`` itself when it has one model."""
+    return engine.for_step(step) if step is not None and isinstance(engine, ExpertEngines) else engine
+
+
+def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: Any) -> Any:
+    """One ``factory(model, settings)`` engine (``model``, else ``build_model``), or, for a two-expert Wan2.2
+    pipeline, ``ExpertEngines``: each trained expert built on meta and loaded shard by shard by its engine, a
+    frozen one loaded whole in the training dtype."""
+    from .build import build_model, engine_settings
+    from .pipeline_io import boundary_ratio, expert_names, load_transformers, meta_transformers
+
+    names = expert_names(config) if model is None else ("transformer",)
+    chosen = list(config.model.experts) or list(names)
+    unknown = sorted(set(chosen) - set(names))
+    if unknown or not chosen:
+        raise ConfigError(
+            f"model.experts={config.model.experts}: the pipeline's transformers are {list(names)}; fix: a non-empty "
+            "subset of them (Wan2.2: transformer = high noise, transformer_2 = low noise), or [] for all"
+        )
+    if len(names) == 1:
+        model = model if model is not None else build_model(config)
+        return factory(model, engine_settings(config, model))
+    ratio = boundary_ratio(config)
+    if ratio is None:
+        raise ConfigError(f"model.pipeline={config.model.pipeline!r} has two transformers but no boundary_ratio")
+    trained = meta_transformers(config, tuple(n for n in names if n in chosen))
+    engines: dict[str, Any] = {n: factory(m, engine_settings(config, m, n)) for n, m in trained.items()}
+    frozen = tuple(n for n in names if n not in chosen)
+    models = load_transformers(config, frozen) if frozen else {}
+    first = next(iter(engines.values()))
+    experts = {n: engines.get(n) or FrozenExpert(models[n], first) for n in names}
+    return ExpertEngines(experts, ratio * 1000.0)
+
+
+def share_step_choices(batch: dict[str, Any], engine: ExpertEngines, config: TrainConfig, seed: int) -> None:
+    """Redraw the window start / DanceGRPO's trained steps from ``seed`` (the iteration's, not the dp rank's), among
+    the trained experts' steps, so that every rank trains the same expert at the same time."""
+    g = config.flowgrpo
+    gen = torch.Generator().manual_seed(seed)
+    allowed = set(engine.trainable_steps())
+    if g.algorithm == "dance_grpo":
+        candidates = torch.tensor([s for s in range(g.num_steps - 1) if s in allowed])
+        count = min(len(candidates), int((g.num_steps - 1) * g.timestep_fraction))
+        steps = candidates[torch.randperm(len(candidates), generator=gen)[:count]]
+        batch["train_steps"] = steps.expand(len(batch["prompts"]), -1).clone()
+        batch["train_steps_host"] = steps.tolist()
+        return
+    starts = [s for s in range(*g.window_range) if all(s + k in allowed for k in range(g.window_size))]
+    batch["window_start"] = starts[int(torch.randint(len(starts), (1,), generator=gen))]
+
+
+def check_expert_steps(engine: ExpertEngines, config: TrainConfig) -> None:
+    """Refuse a window range (or DanceGRPO steps) with nothing of a trained expert in it."""
+    g = config.flowgrpo
+    allowed = set(engine.trainable_steps())
+    owners = {i: n for i, n in enumerate(engine.route)}
+    if g.algorithm == "dance_grpo":
+        ok = any(s in allowed for s in range(g.num_steps - 1))
+    else:
+        ok = any(all(s + k in allowed for k in range(g.window_size)) for s in range(*g.window_range))
+    if not ok:
+        starts = [s for s in range(g.num_steps - g.window_size + 1) if all(s + k in allowed for k in range(g.window_size))]
+        hint = f"flowgrpo.window_range=[{starts[0]}, {starts[-1] + 1}]" if starts else "a smaller flowgrpo.window_size"
+        raise ConfigError(
+            f"model.experts={list(engine.trained)}: no trainable window in flowgrpo.window_range={g.window_range} "
+            f"(window {g.window_size}); the schedule's steps run on {owners}; fix: {hint} (the trained expert's "
+            "steps), or train both experts"
+        )

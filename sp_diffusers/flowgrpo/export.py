@@ -1,0 +1,213 @@
+"""Trained weights out, in diffusers' own formats: ``sp-diffusers export --run RUN_DIR --out DIR``.
+
+From the newest checkpoint of a run (or ``step``), written on any layout (DCP reads any sharding into one process):
+
+- ``DIR/transformer/`` (Wan2.2: also ``DIR/transformer_2/``): ``save_pretrained`` of the trained transformer with its
+  LoRA merged (``W + alpha / r * B A``), which the family's ``from_pretrained`` loads;
+- LoRA runs: ``DIR/pytorch_lora_weights.safetensors`` in diffusers' LoRA format (``transformer.``-prefixed peft keys
+  and the adapter's config as metadata, so alpha survives), which the pipeline's ``load_lora_weights`` and the
+  transformer's ``load_lora_adapter`` read; a Wan2.2 ``transformer_2``'s is ``pytorch_lora_weights_transformer_2
+  .safetensors`` (``load_lora_weights(DIR, weight_name=..., load_into_transformer_2=True)``);
+- with ``model.pipeline``: the rest of that pipeline folder beside them (hard links where the file system allows,
+  else copies; an expert that was not trained as it was), so ``DiffusionPipeline.from_pretrained(DIR)`` loads the
+  trained pipeline.
+
+Only the model part of the checkpoint is read (no optimizer state), into a model built as the run built it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..engine.checkpoint_files import (
+    CheckpointError,
+    find_latest,
+    lora_fingerprint,
+    model_fingerprint,
+    read_meta,
+)
+from .config import ConfigError, TrainConfig, load_config
+
+__all__ = ["Exported", "export_run", "lora_state_dict", "merged_state_dict"]
+
+PIPELINE_CLASSES = {
+    "qwenimage": "QwenImagePipeline",
+    "flux": "FluxPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "wan": "WanPipeline",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Exported:
+    transformers: dict[str, Path] = field(default_factory=dict)  # name -> save_pretrained folder
+    loras: dict[str, Path] = field(default_factory=dict)  # name -> LoRA safetensors
+    pipeline: Path | None = None  # the whole pipeline folder (model.pipeline runs)
+    step: str = ""
+
+
+def run_config(run_dir: str | Path) -> TrainConfig:
+    """The config a run was trained with (``<run>/config.json``)."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--run {run_dir}: no config.json; fix: the train.out_dir of a `sp-diffusers train` run")
+    return load_config(path)
+
+
+def _step_dir(root: Path, step: int | None) -> Path:
+    if step is None:
+        found = find_latest(root)
+        if found is None:
+            raise CheckpointError(f"no checkpoint under {root}; fix: train until a checkpoint is saved (train.save_every)")
+        return found
+    path = root / f"step-{step:08d}"
+    if not (path / "meta.json").is_file():
+        have = sorted(p.name for p in root.glob("step-*"))
+        raise CheckpointError(f"--step {step}: no complete checkpoint {path}; have: {', '.join(have) or 'none'}")
+    return path
+
+
+def _fresh_model(config: TrainConfig, name: str) -> torch.nn.Module:
+    """The untrained transformer ``name``, real and whole (export writes whole files from one process)."""
+    from ..model_kinds import model_class
+    from ..tiny import tiny_model
+    from .pipeline_io import from_pretrained, load_transformers, param_dtype
+
+    if config.model.pipeline:
+        return load_transformers(config, (name,))[name]
+    if config.model.pretrained:
+        return from_pretrained(model_class(config.model.kind), config.model.pretrained, torch_dtype=param_dtype(config))
+    return tiny_model(config.model.kind, seed=config.model.seed, **config.model.overrides)
+
+
+def _load_trained(config: TrainConfig, name: str, path: Path) -> torch.nn.Module:
+    """The model as the run trained it (LoRA added as the engine adds it), its weights from checkpoint ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from ..engine.model_setup import add_lora
+    from .build import engine_settings
+    from .pipeline_io import param_dtype
+
+    model = _fresh_model(config, name)
+    if next(model.parameters()).dtype != param_dtype(config):  # as the engine held it: the dtype stored
+        model = model.to(param_dtype(config))
+    lora = engine_settings(config).lora
+    if lora is not None:
+        add_lora(model, lora)
+    meta = read_meta(path)
+    same_lora = meta.lora == (lora is not None) and meta.lora_fingerprint in ("", lora_fingerprint(lora))
+    if meta.model_fingerprint != model_fingerprint(model) or not same_lora:
+        raise CheckpointError(
+            f"checkpoint {path} was written for another model or LoRA than {path.parent.parent.parent}/config.json "
+            "describes; fix: export the run folder the checkpoint belongs to"
+        )
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return model
+
+
+def merged_state_dict(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The base model's state dict with each LoRA layer folded in: ``W + scaling * B @ A`` (peft's own merge)."""
+    from peft.tuners.lora import LoraLayer
+
+    out: dict[str, torch.Tensor] = {}
+    lora_prefixes = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            base = module.get_base_layer()
+            if not isinstance(base, torch.nn.Linear):
+                raise ValueError(f"export merges LoRA into Linear layers; {module_name} is a {type(base).__name__}")
+            delta = module.get_delta_weight(adapter).detach().float()
+            out[f"{module_name}.weight"] = (base.weight.detach().float() + delta).contiguous()
+            if base.bias is not None:
+                out[f"{module_name}.bias"] = base.bias.detach().clone()
+            lora_prefixes.add(module_name + ".")
+    for key, value in model.state_dict().items():
+        if not any(key.startswith(p) for p in lora_prefixes):
+            out[key] = value.detach()
+    return out
+
+
+def lora_state_dict(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter's weights in peft's saved form (``...lora_A.weight`` / ``...lora_B.weight``, no adapter name)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model, adapter_name=adapter).items()}
+
+
+def _save_transformer(trained: torch.nn.Module, merged: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype) -> None:
+    with torch.device("meta"):
+        fresh = type(trained).from_config(dict(trained.config))
+    fresh.load_state_dict({k: v.to(dtype) for k, v in merged.items()}, strict=True, assign=True)
+    fresh.save_pretrained(folder)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str = "fp32") -> Exported:
+    """Write the run's trained weights to ``out_dir`` in diffusers' formats (module docstring)."""
+    import diffusers
+
+    from .pipeline_io import expert_names, read_index
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(_DTYPES)}")
+    run_dir, out = Path(run_dir), Path(out_dir)
+    config = run_config(run_dir)
+    names = expert_names(config)
+    trained = list(config.model.experts) or list(names)
+    roots = {n: run_dir / "checkpoints" / n for n in trained} if len(names) > 1 else {names[0]: run_dir / "checkpoints"}
+    out.mkdir(parents=True, exist_ok=True)
+    result = Exported()
+    steps = {n: _step_dir(root, step) for n, root in roots.items()}
+    result.step = next(iter(steps.values())).name
+    if len({p.name for p in steps.values()}) > 1:
+        raise CheckpointError(f"the experts' checkpoints are at different steps ({steps}); fix: --step N")
+    pipeline_cls = getattr(diffusers, PIPELINE_CLASSES.get(config.model.kind, ""), None)
+    for name, path in steps.items():
+        model = _load_trained(config, name, path)
+        folder = out / name
+        _save_transformer(model, merged_state_dict(model) if config.lora.enabled else model.state_dict(), folder, _DTYPES[dtype])
+        result.transformers[name] = folder
+        if config.lora.enabled:
+            if pipeline_cls is None:
+                raise ConfigError(f"model.kind={config.model.kind!r} has no pipeline class to write its LoRA file with")
+            weight = "pytorch_lora_weights.safetensors" if name == "transformer" else f"pytorch_lora_weights_{name}.safetensors"
+            pipeline_cls.save_lora_weights(
+                out,
+                transformer_lora_layers=lora_state_dict(model),
+                weight_name=weight,
+                transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
+            )
+            result.loras[name] = out / weight
+        del model
+    if config.model.pipeline:
+        source = Path(config.model.pipeline)
+        index = read_index(source)
+        for entry in sorted(source.iterdir()):
+            if entry.name in result.transformers or entry.name.startswith("."):
+                continue
+            target = out / entry.name
+            if entry.is_dir():
+                shutil.copytree(entry, target, copy_function=_link_or_copy, dirs_exist_ok=True)
+            elif not target.exists():
+                _link_or_copy(str(entry), str(target))
+        result.pipeline = out
+        (out / "sp_diffusers_export.json").write_text(
+            json.dumps({"run": str(run_dir), "step": result.step, "pipeline": index.get("_class_name")}, indent=2)
+        )
+    return result

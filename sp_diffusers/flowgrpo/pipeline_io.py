@@ -1,0 +1,165 @@
+"""A diffusers pipeline folder in (``model.pipeline``): which family it is, its transformer(s), VAE and scheduler.
+
+A folder written by ``save_pretrained`` (or a downloaded model repository) holds ``model_index.json`` naming the
+pipeline class and one subfolder per component. The trainer reads from it: the transformer (Wan2.2-A14B: both
+``transformer`` and ``transformer_2``), loaded in the dtype the engine trains in; the text encoder(s) and
+tokenizer(s) (``text.PipelineTextEncoder``, unless ``text.pipeline`` names another folder); the scheduler config
+(the rollout schedule, unless ``flowgrpo.scheduler`` names another); the VAE (decoding pixels for rewards and sample
+grids); and, for Wan2.2, ``boundary_ratio`` from the pipeline's config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError, TrainConfig
+
+__all__ = [
+    "EXPERT_NAMES",
+    "PIPELINE_FAMILIES",
+    "boundary_ratio",
+    "expert_names",
+    "from_pretrained",
+    "load_transformers",
+    "load_vae",
+    "meta_transformers",
+    "param_dtype",
+    "read_index",
+    "resolve_pipeline",
+    "transformer_folder",
+]
+
+# pipeline class -> model.kind (the families with a trainer adapter)
+PIPELINE_FAMILIES = {
+    "QwenImagePipeline": "qwenimage",
+    "FluxPipeline": "flux",
+    "StableDiffusion3Pipeline": "sd3",
+    "WanPipeline": "wan",
+}
+EXPERT_NAMES = ("transformer", "transformer_2")  # WanPipeline: high-noise, low-noise
+
+
+def read_index(path: str | Path, key: str = "model.pipeline") -> dict[str, Any]:
+    """``model_index.json`` of a pipeline folder; errors name ``key`` and the fix."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        raise ConfigError(
+            f"{key}={str(path)!r} has no model_index.json; fix: a diffusers pipeline folder (written by "
+            "save_pretrained, or a downloaded model repository such as Qwen/Qwen-Image)"
+        )
+    return json.loads(index.read_text())
+
+
+def _present(index: dict[str, Any], name: str) -> bool:
+    entry = index.get(name)
+    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
+
+
+def resolve_pipeline(config: TrainConfig) -> str | None:
+    """With ``model.pipeline``: check the folder and set ``model.kind`` to its family; the family, else None."""
+    c = config.model
+    if not c.pipeline:
+        return None
+    if c.pretrained:
+        raise ConfigError(
+            f"model.pipeline={c.pipeline!r} and model.pretrained={c.pretrained!r} both name the weights; fix: keep "
+            "one (a pipeline folder gives its transformer, text encoders, scheduler and VAE)"
+        )
+    index = read_index(c.pipeline)
+    name = index.get("_class_name")
+    if name not in PIPELINE_FAMILIES:
+        raise ConfigError(
+            f"model.pipeline={c.pipeline!r} is a {name}; the trainer reads {', '.join(PIPELINE_FAMILIES)}; fix: one "
+            "of those, or model.pretrained=<its transformer folder> with model.kind"
+        )
+    if not _present(index, "transformer"):
+        raise ConfigError(f"model.pipeline={c.pipeline!r} has no transformer (model_index.json: transformer is null)")
+    c.kind = PIPELINE_FAMILIES[name]
+    return c.kind
+
+
+def expert_names(config: TrainConfig) -> tuple[str, ...]:
+    """The transformers of ``model.pipeline``: ``("transformer",)``, or both of a two-expert Wan2.2."""
+    if not config.model.pipeline:
+        return ("transformer",)
+    index = read_index(config.model.pipeline)
+    return tuple(n for n in EXPERT_NAMES if _present(index, n))
+
+
+def boundary_ratio(config: TrainConfig) -> float | None:
+    """Wan2.2's ``boundary_ratio`` (the pipeline config): ``transformer`` runs at timesteps >= ratio x 1000."""
+    if not config.model.pipeline:
+        return None
+    value = read_index(config.model.pipeline).get("boundary_ratio")
+    return float(value) if value is not None else None
+
+
+def param_dtype(config: TrainConfig) -> torch.dtype:
+    """The dtype the engine keeps parameters in: fp32, except bf16 without FSDP (FSDP's bf16 mixed precision keeps
+    fp32 parameters and computes in bf16)."""
+    p = config.parallel
+    return torch.bfloat16 if p.mixed_precision == "bf16" and not p.use_fsdp else torch.float32
+
+
+def compute_dtype(config: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if config.parallel.mixed_precision == "bf16" else torch.float32
+
+
+def from_pretrained(cls: Any, path: str | Path, **kwargs: Any) -> Any:
+    """``cls.from_pretrained`` with ``torch_dtype``, which every supported diffusers takes (newer ones prefer
+    ``dtype`` and warn about the old name: the warning is not the user's to act on)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+        return cls.from_pretrained(path, **kwargs)
+
+
+def transformer_folder(config: TrainConfig, name: str = "transformer") -> Path | None:
+    """Where transformer ``name``'s weights lie: the pipeline's subfolder, or ``model.pretrained`` (None: neither)."""
+    if config.model.pipeline:
+        return Path(config.model.pipeline) / name
+    return Path(config.model.pretrained) if config.model.pretrained else None
+
+
+def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """``{name: transformer}`` built from each folder's config with its parameters on ``meta``: nothing is read or
+    allocated here; the engine shards each one and then loads only its own rows, converted to the parameters'
+    dtype shard by shard (``engine_settings`` points ``weights`` at :func:`transformer_folder`)."""
+    from ..engine.weights import meta_model
+    from ..model_kinds import model_class
+
+    cls = model_class(config.model.kind)
+    return {n: meta_model(cls, transformer_folder(config, n)) for n in names}
+
+
+def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:
+    """``{name: transformer}`` of ``model.pipeline`` (``names``: default all), each in the training dtype, on CPU."""
+    from ..model_kinds import model_class
+
+    cls = model_class(config.model.kind)
+    dtype = param_dtype(config)
+    return {
+        name: from_pretrained(cls, config.model.pipeline, subfolder=name, torch_dtype=dtype)
+        for name in (names or expert_names(config))
+    }
+
+
+def load_vae(config: TrainConfig) -> torch.nn.Module | None:
+    """The pipeline's VAE in the compute dtype (None without ``model.pipeline`` or without a VAE in it)."""
+    if not config.model.pipeline:
+        return None
+    index = read_index(config.model.pipeline)
+    if not _present(index, "vae"):
+        return None
+    import diffusers
+
+    library, cls_name = index["vae"]
+    cls = getattr(diffusers, cls_name, None)
+    if cls is None:
+        raise ConfigError(f"model.pipeline: its vae is a {library}.{cls_name}, which this diffusers does not have")
+    return from_pretrained(cls, config.model.pipeline, subfolder="vae", torch_dtype=compute_dtype(config))

@@ -1,0 +1,173 @@
+"""Scoring a rollout with a set of rewards: split over the SP group, decoded once, checked, agreed on by every rank.
+
+The ranks of an SP group hold the same B samples. Scoring each of them on every rank would run every reward model
+P times; instead SP rank r scores its own slice ``tensor_split(range(B), P)[r]`` (decoding only those latents, once,
+and only when some reward reads pixels), then one all-gather in the SP group gives every rank all B scores.
+
+A reward that raises, returns the wrong shape or a non-finite value on any rank: after scoring, every rank of the
+world learns it (one small all-gather of a flag; the messages only on failure) and raises the same ``RewardError``
+naming the reward's function, the rank and what went wrong, so no rank waits in the next collective.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .reward_loading import RewardSpec
+
+__all__ = ["RewardError", "RewardSet"]
+
+
+class RewardError(RuntimeError):
+    """A reward failed on some rank; every rank raises it with the same message."""
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _as_scores(out: Any, count: int, spec: RewardSpec) -> tuple[torch.Tensor | None, str | None]:
+    """``out`` as a float64 CPU ``[count]`` tensor, or why it is not one."""
+    try:
+        t = torch.as_tensor(out.detach() if torch.is_tensor(out) else out).to("cpu", torch.float64)
+    except Exception as err:
+        return None, f"returned {type(out).__name__}, not one float per sample ({type(err).__name__}: {err})"
+    if t.shape != (count,):
+        return None, f"returned shape {tuple(t.shape)}; it must return one float per sample: shape [{count}]"
+    bad = (~torch.isfinite(t)).nonzero().flatten().tolist()
+    if bad:
+        return None, f"returned non-finite values ({t[bad].tolist()}) for sample(s) {bad} of this rank's {count}"
+    return t, None
+
+
+class RewardSet:
+    """``specs`` scored together: ``__call__(latents, prompts, metadata) -> (total [B], {name: [B]})`` on CPU.
+
+    Args:
+        specs: the loaded rewards (``reward_loading.reward_specs``).
+        reward_view: the final latents -> what ``input: latents`` rewards read (``adapter.reward_view``).
+        decode: the final latents ``[b, ...]`` -> pixels in [0, 1] (``decode.PixelDecoder``); None without a VAE.
+        engine: gives the SP group, this rank's place in it and the device collectives use (None: one process).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[RewardSpec],
+        reward_view: Callable[[torch.Tensor], torch.Tensor],
+        decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        engine: Any = None,
+    ) -> None:
+        self.specs = list(specs)
+        self.reward_view, self.decode, self.engine = reward_view, decode, engine
+        self.wants_pixels = any(s.input == "pixels" for s in self.specs)
+        if self.wants_pixels and decode is None:
+            names = ", ".join(s.label for s in self.specs if s.input == "pixels")
+            from .config import ConfigError
+
+            raise ConfigError(
+                f"flowgrpo.rewards: {names} read(s) pixels, but this run has no VAE to decode them; fix: "
+                "model.pipeline=<a diffusers pipeline folder with a vae>, or input: latents"
+            )
+
+    @classmethod
+    def from_config(cls, config: Any, adapter: Any, engine: Any = None, decode: Any = None) -> RewardSet:
+        """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``); pixels from ``decode`` (a ``PixelDecoder``)."""
+        from .reward_loading import reward_specs
+
+        g = config.flowgrpo
+        return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+    def _layout(self) -> tuple[int, int, Any]:
+        e = self.engine
+        if e is None or getattr(e, "sp_group", None) is None:
+            return 0, 1, None
+        return e.sp_rank, e.sp_size, e.sp_group
+
+    def _collective_device(self) -> torch.device:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return self.engine.device
+        return torch.device("cpu")
+
+    def score_local(
+        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict]
+    ) -> tuple[torch.Tensor, str | None]:
+        """This rank's slice scored by every reward: ``[b, R]`` float64, or the first failure's message."""
+        count = latents.shape[0]
+        out = torch.zeros(count, len(self.specs), dtype=torch.float64)
+        if count == 0:
+            return out, None
+        pixels = None
+        if self.wants_pixels:
+            try:
+                with torch.no_grad():
+                    pixels = self.decode(latents)
+            except Exception as err:
+                return out, f"decoding the latents with the pipeline's VAE raised {type(err).__name__}: {err}{_where(err)}"
+        view = self.reward_view(latents) if any(s.input == "latents" for s in self.specs) else None
+        for j, spec in enumerate(self.specs):
+            data = pixels if spec.input == "pixels" else view
+            try:
+                with torch.no_grad():
+                    result = spec.fn(data, list(prompts), list(metadata), **spec.kwargs)
+            except Exception as err:
+                return out, f"reward {spec.label} raised {type(err).__name__}: {err}{_where(err)}"
+            scores, problem = _as_scores(result, count, spec)
+            if problem:
+                return out, f"reward {spec.label} {problem}"
+            out[:, j] = scores
+        return out, None
+
+    def _agree(self, problem: str | None) -> None:
+        """Every rank raises the same ``RewardError`` when any rank's scoring failed (one flag all-gather)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            if problem:
+                raise RewardError(f"flowgrpo.rewards: {problem}")
+            return
+        from ..comm import gather_ints
+
+        flags = gather_ints([int(problem is not None)], dist.group.WORLD, self._collective_device())
+        failed = [rank for rank, (flag,) in enumerate(flags) if flag]
+        if not failed:
+            return
+        messages: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, problem)
+        first = failed[0]
+        more = f" (failing ranks: {failed})" if len(failed) > 1 else ""
+        raise RewardError(f"flowgrpo.rewards: on rank {first}{more}, {messages[first]}; every rank stops")
+
+    def __call__(
+        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The weighted total ``[B]`` (float32, CPU) and each reward's ``[B]`` scores, identical on SP peers."""
+        batch = latents.shape[0]
+        if len(prompts) != batch:
+            raise ValueError(f"RewardSet: {batch} samples but {len(prompts)} prompts")
+        metadata = list(metadata) if metadata is not None else [{} for _ in range(batch)]
+        sp_rank, sp_size, group = self._layout()
+        slices = torch.arange(batch).tensor_split(sp_size)
+        mine = slices[sp_rank]
+        lo, hi = (int(mine[0]), int(mine[-1]) + 1) if mine.numel() else (0, 0)
+        local, problem = self.score_local(latents[lo:hi], prompts[lo:hi], metadata[lo:hi])
+        self._agree(problem)
+        scores = local
+        if sp_size > 1:
+            longest = max(s.numel() for s in slices)
+            device = self._collective_device()
+            send = torch.zeros(longest, len(self.specs), dtype=torch.float64, device=device)
+            send[: local.shape[0]] = local.to(device)
+            parts = [torch.empty_like(send) for _ in range(sp_size)]
+            dist.all_gather(parts, send, group=group)
+            scores = torch.cat([p[: s.numel()].cpu() for p, s in zip(parts, slices, strict=True)])
+        weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
+        total = (scores * weights).sum(dim=1).float()
+        return total, {s.name: scores[:, j].float() for j, s in enumerate(self.specs)}

@@ -1,0 +1,116 @@
+"""``sp-diffusers sample``: render prompts with a pipeline folder (and a LoRA) under Ulysses SP, as PNG or MP4/GIF.
+
+The pipeline's own ``__call__`` runs on every rank with the same seed; its transformer(s) run under the
+``ulysses_sdpa`` backend with ``enable_parallelism`` (each rank attends over all tokens for 1/P of the heads), so the
+result is the single-process one. Rank 0 writes the file: images as a PNG (several prompts tiled), videos as an MP4
+(``pip install imageio imageio-ffmpeg``), else a GIF beside the requested path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError
+
+__all__ = ["render"]
+
+_VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _parallelize(pipe: Any, ulysses: int) -> None:
+    import torch.distributed as dist
+
+    import sp_diffusers
+
+    from ..launch import init_distributed
+
+    init_distributed(required_by=f"sample --ulysses {ulysses}")
+    world = dist.get_world_size()
+    if world != ulysses:
+        raise ConfigError(
+            f"--ulysses {ulysses} with {world} processes: sample renders one batch over one SP group; fix: "
+            f"torchrun --nproc_per_node {ulysses} ... sample --ulysses {ulysses}"
+        )
+    sp_diffusers.install()
+    for name in ("transformer", "transformer_2"):
+        model = getattr(pipe, name, None)
+        if model is not None:
+            model.set_attention_backend("ulysses_sdpa")
+            model.enable_parallelism(config=sp_diffusers.context_parallel_config(ulysses_degree=ulysses))
+
+
+def render(
+    pipeline: str | Path,
+    prompts: list[str],
+    out: str | Path,
+    *,
+    lora: str | None = None,
+    lora_2: str | None = None,
+    ulysses: int = 1,
+    steps: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    frames: int | None = None,
+    guidance: float | None = None,
+    seed: int = 0,
+    dtype: str = "fp32",
+    max_sequence_length: int | None = None,
+) -> Path | None:
+    """Render ``prompts`` with ``pipeline`` and write ``out`` on rank 0 (its path there; None elsewhere)."""
+    import diffusers
+    import torch.distributed as dist
+
+    from .media import save_image, save_video
+    from .pipeline_io import from_pretrained
+
+    out = Path(out)
+    if out.suffix.lower() not in (".png", *_VIDEO_SUFFIXES):
+        raise ConfigError(f"--out {out}: write .png (images) or .mp4 / .gif (videos)")
+    if not (Path(pipeline) / "model_index.json").is_file():
+        raise ConfigError(f"--pipeline {pipeline}: no model_index.json; fix: a diffusers pipeline folder")
+    if ulysses < 1:
+        raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype)
+    video = type(pipe).__name__.startswith("Wan")
+    if video != (out.suffix.lower() in _VIDEO_SUFFIXES):
+        kind = "a video pipeline: write .mp4 or .gif" if video else "an image pipeline: write .png"
+        raise ConfigError(f"--out {out}: {type(pipe).__name__} is {kind}")
+    for file, into_2 in ((lora, False), (lora_2, True)):
+        if file:
+            path = Path(file)
+            if not path.is_file():
+                raise ConfigError(f"--lora{'-2' if into_2 else ''} {file}: no such file (a .safetensors LoRA)")
+            extra = {"load_into_transformer_2": True} if into_2 else {}
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
+    pipe.to(_device())
+    pipe.set_progress_bar_config(disable=True)
+    if ulysses > 1:
+        _parallelize(pipe, ulysses)
+    kwargs: dict[str, Any] = {"prompt": list(prompts), "output_type": "pt"}
+    for key, value in (
+        ("num_inference_steps", steps),
+        ("height", height),
+        ("width", width),
+        ("guidance_scale", guidance),
+        ("max_sequence_length", max_sequence_length),
+    ):
+        if value is not None:
+            kwargs[key] = value
+    if video and frames is not None:
+        kwargs["num_frames"] = frames
+    result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
+    pixels = (result.frames if video else result.images).float().cpu()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return save_video(pixels, out) if video else save_image(pixels, out)

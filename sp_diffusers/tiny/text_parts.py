@@ -1,0 +1,197 @@
+"""Tiny random text encoders, tokenizers and VAEs of the real classes the pipelines use (nothing downloaded).
+
+The tokenizers work on characters (a ``tokenizers`` word-level model over printable ASCII), so they need no vocab
+files and every prompt has its own ids; the models are the real ``transformers`` / diffusers classes with small
+configs and a fixed seed (same seed, same weights). ``save_tiny_clip`` writes a CLIP folder for the CLIP reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "char_tokenizer",
+    "save_tiny_clip",
+    "tiny_autoencoder_kl",
+    "tiny_clip_text",
+    "tiny_qwen25vl",
+    "tiny_qwenimage_vae",
+    "tiny_t5",
+    "tiny_umt5",
+    "tiny_wan_vae",
+]
+
+WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [chr(c) for c in range(32, 127)]
+
+
+def char_tokenizer(max_length: int) -> Any:
+    """A ``PreTrainedTokenizerFast``: one token per printable ASCII character, pad 0, bos 1, eos 2, unk 3."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+    )
+
+
+def _seeded(seed: int, build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def tiny_clip_text(seed: int, hidden: int = 16, projection: bool = True, max_positions: int = 77) -> Any:
+    """``CLIPTextModelWithProjection`` (SD3) or ``CLIPTextModel`` (Flux: pooled = hidden), ``hidden`` wide."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(WORDS),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projection_dim=hidden,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return _seeded(seed, lambda: cls(config))
+
+
+def tiny_t5(seed: int, d_model: int = 32) -> Any:
+    """``T5EncoderModel`` (SD3's and Flux's third / second encoder), ``d_model`` wide."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=len(WORDS), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=1, num_heads=2,
+        pad_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    return _seeded(seed, lambda: T5EncoderModel(config))
+
+
+def tiny_umt5(seed: int = 1234, d_model: int = 32, num_layers: int = 2):
+    """``(ByT5Tokenizer, UMT5EncoderModel)``: Wan's text-encoder class, tiny and random (same seed, same weights),
+    over ByT5's byte vocabulary (a pure-python tokenizer that needs no files, so nothing is downloaded)."""
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    tokenizer = ByT5Tokenizer()
+    config = UMT5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=num_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer, _seeded(seed, lambda: UMT5EncoderModel(config)).eval()
+
+
+def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
+    """``Qwen2_5_VLForConditionalGeneration`` (Qwen-Image's text encoder), ``hidden`` wide, one text layer."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    heads = 2
+    half = hidden // heads // 2  # mrope sections cover half a head (t, h, w)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=2048,
+            rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=1, fullatt_block_indexes=[0], window_size=8,
+        ),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
+
+
+def tiny_autoencoder_kl(seed: int, latent_channels: int, scaling: float, shift: float) -> Any:
+    """``AutoencoderKL`` (SD3's and Flux's VAE class): 2x spatial compression, ``latent_channels``."""
+    from diffusers import AutoencoderKL
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4, sample_size=16,
+            scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False,
+        ),
+    )  # fmt: skip
+
+
+def tiny_qwenimage_vae(seed: int, z_dim: int) -> Any:
+    """``AutoencoderKLQwenImage``: 2x spatial compression (one down block), ``z_dim`` channels."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLQwenImage(
+            base_dim=8, z_dim=z_dim, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[False],
+            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+        ),
+    )  # fmt: skip
+
+
+def tiny_wan_vae(seed: int, z_dim: int) -> Any:
+    """``AutoencoderKLWan``: 2x spatial and 2x temporal compression, ``z_dim`` channels."""
+    from diffusers import AutoencoderKLWan
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLWan(
+            base_dim=8, z_dim=z_dim, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[True],
+            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+            scale_factor_temporal=2, scale_factor_spatial=2,
+        ),
+    )  # fmt: skip
+
+
+def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny random ``CLIPModel`` (32 x 32 images), its character tokenizer and a ``preprocessor_config.json``
+    to ``folder``: what ``sp_diffusers.flowgrpo.clip_reward`` reads from a downloaded CLIP."""
+    from transformers import CLIPConfig, CLIPModel
+
+    config = CLIPConfig(
+        text_config=dict(
+            vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ),
+        vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+            patch_size=8,
+        ),
+        projection_dim=16,
+    )  # fmt: skip
+    folder = Path(folder)
+    _seeded(seed, lambda: CLIPModel(config)).save_pretrained(folder)
+    char_tokenizer(32).save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps({"crop_size": {"height": 32, "width": 32}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25] * 3})
+    )
+    return folder

@@ -1,0 +1,189 @@
+"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan), the pipeline's own
+``__call__`` is run on a tiny pipeline written with ``save_pretrained`` and every transformer call is recorded; the
+trainer's parts built from the same folder (text encoder, schedule, adapter) must hand the transformer the same
+inputs at the same timesteps. Plus the folder checks (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
+
+FAMILIES = ("qwenimage", "flux", "sd3", "wan")
+PROMPTS = ["a red cat", "a blue teapot on a table"]  # different lengths: ragged text
+# Qwen-Image's template leaves ~130 characters before the prompt (character tokenizer): keep them all
+TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("pipes")
+    return {f: save_tiny_pipeline(f, root / f, num_layers=1) for f in (*FAMILIES, "wan2.2")}
+
+
+def _record(pipe, family):
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
+    timesteps = []
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=3, height=16, width=32, output_type="latent")  # not square
+    kwargs["callback_on_step_end"] = lambda p, i, t, k: timesteps.append(float(t)) or {}
+    kwargs.update(max_sequence_length=TEXT_LEN[family])
+    if family == "wan":
+        kwargs.update(num_frames=3, guidance_scale=1.0)
+    elif family == "sd3":
+        kwargs.update(guidance_scale=1.0)
+    pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    return calls, timesteps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, family):
+    from diffusers import DiffusionPipeline
+
+    from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
+    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.pipeline_io import load_transformers, resolve_pipeline
+    from sp_diffusers.padding import pad_text_batch
+
+    pipe = DiffusionPipeline.from_pretrained(folders[family])
+    pipe.set_progress_bar_config(disable=True)
+    calls, timesteps = _record(pipe, family)
+
+    c = TrainConfig()
+    c.model.pipeline, c.model.image_size, c.model.image_width, c.model.frames = str(folders[family]), 8, 16, 2
+    c.text.max_sequence_length, c.flowgrpo.num_steps = TEXT_LEN[family], 3
+    assert resolve_pipeline(c) == family and c.model.kind == family
+    model = load_transformers(c)["transformer"]
+    adapter = build_adapter(model, 8, True, 2, TEXT_LEN[family], image_width=16)
+    schedule = run_schedule(c, adapter)
+    assert schedule.timesteps.tolist() == pytest.approx(timesteps, abs=1e-4)  # float32 of the same scheduler
+
+    text = build_text_encoder(c, torch.device("cpu")).encode_batch(PROMPTS)
+    embeds, mask = pad_text_batch(text["prompt_embeds"], text["prompt_embeds_mask"], 1, "prompt_embeds")
+    for i, call in enumerate(calls):
+        ours = adapter.inputs(call["hidden_states"], schedule.timesteps[i], embeds, mask, text.get("pooled_prompt_embeds"))
+        shared = set(ours) & set(call)
+        assert {"hidden_states", "timestep", "encoder_hidden_states"} <= shared
+        for key in shared:
+            want, got = call[key], ours[key]
+            if key == "encoder_hidden_states_mask" and want is None:  # the pipeline drops an all-True mask
+                want = torch.ones_like(got)
+            if key == "joint_attention_kwargs" and want is None:  # SD3: our text mask, all True here = no mask
+                assert got["encoder_hidden_states_mask"].all()
+                continue
+            if not torch.is_tensor(got):  # img_shapes, txt_seq_lens
+                assert got == want, f"{family} step {i}: {key}"
+                continue
+            assert want is not None, key
+            torch.testing.assert_close(got.to(want.dtype), want, atol=1e-5, rtol=0, msg=f"{family} step {i}: {key}")
+        if family == "flux":
+            assert call["guidance"] is not None and "guidance" in ours  # FLUX.1-dev's embedded guidance (3.5)
+
+
+def test_text_encoders_match_encode_prompt(folders):
+    from diffusers import FluxPipeline, QwenImagePipeline
+
+    from sp_diffusers.flowgrpo.text import PipelineTextEncoder
+
+    q = PipelineTextEncoder(str(folders["qwenimage"]), 256)
+    got = q.encode_batch(PROMPTS)
+    ref, mask = QwenImagePipeline.from_pretrained(folders["qwenimage"], transformer=None, vae=None).encode_prompt(
+        PROMPTS, max_sequence_length=256
+    )
+    lengths = [int(m.sum()) for m in mask]
+    assert [e.shape[0] for e in got["prompt_embeds"]] == lengths and lengths[0] != lengths[1]  # ragged
+    for e, r, n in zip(got["prompt_embeds"], ref, lengths, strict=True):
+        assert torch.equal(e, r[:n])
+    assert q.hidden_size == 32
+    f = PipelineTextEncoder(str(folders["flux"]), 16)
+    got = f.encode_batch(PROMPTS, prefix="negative_")
+    embeds, pooled, _ = FluxPipeline.from_pretrained(folders["flux"], transformer=None, vae=None).encode_prompt(
+        PROMPTS, None, max_sequence_length=16
+    )
+    assert torch.equal(torch.stack(got["negative_prompt_embeds"]), embeds)
+    assert torch.equal(got["negative_pooled_prompt_embeds"], pooled) and f.hidden_size == 32
+
+
+def test_folder_checks(folders, tmp_path):
+    from sp_diffusers.flowgrpo.pipeline_io import boundary_ratio, expert_names, resolve_pipeline
+
+    c = TrainConfig()
+    c.model.pipeline = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"model\.pipeline=.* has no model_index\.json"):
+        resolve_pipeline(c)
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "U"]}')
+    with pytest.raises(ConfigError, match=r"is a StableDiffusionPipeline; the trainer reads QwenImagePipeline"):
+        resolve_pipeline(c)
+    c.model.pretrained = "x"
+    with pytest.raises(ConfigError, match=r"model\.pipeline=.* and model\.pretrained=.* both name the weights"):
+        resolve_pipeline(c)
+    c = TrainConfig()
+    c.model.pipeline = str(folders["wan2.2"])
+    assert resolve_pipeline(c) == "wan"
+    assert expert_names(c) == ("transformer", "transformer_2") and boundary_ratio(c) == 0.875
+    c.model.pipeline = str(folders["wan"])
+    assert expert_names(c) == ("transformer",) and boundary_ratio(c) is None
+
+
+def test_wan22_experts_switch_where_the_pipeline_switches(folders):
+    from diffusers import WanPipeline
+
+    from sp_diffusers.engine import FSDPEngine
+    from sp_diffusers.flowgrpo.build import run_schedule
+    from sp_diffusers.flowgrpo.experts import (
+        ExpertEngines,
+        FrozenExpert,
+        build_engines,
+        check_expert_steps,
+        share_step_choices,
+    )
+    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.pipeline_io import resolve_pipeline
+
+    pipe = WanPipeline.from_pretrained(folders["wan2.2"])
+    pipe.set_progress_bar_config(disable=True)
+    order: list[str] = []
+    for name in ("transformer", "transformer_2"):
+        getattr(pipe, name).register_forward_pre_hook(lambda m, a, kw, n=name: order.append(n), with_kwargs=True)
+    pipe(prompt=PROMPTS[:1], num_inference_steps=6, height=16, width=16, num_frames=3, guidance_scale=1.0,
+         max_sequence_length=16, output_type="latent")  # fmt: skip
+    assert set(order) == {"transformer", "transformer_2"}
+
+    c = TrainConfig()
+    c.model.pipeline, c.model.frames, c.flowgrpo.num_steps = str(folders["wan2.2"]), 2, 6
+    c.parallel.ulysses_sequence_parallel_size, c.flowgrpo.window_range = 1, [0, 5]
+    resolve_pipeline(c)
+    engines = build_engines(c, None, FSDPEngine)
+    assert isinstance(engines, ExpertEngines) and set(engines.trained) == {"transformer", "transformer_2"}
+    engines.bind_schedule(run_schedule(c, build_adapter(engines.model, 8, True, 2, 16)).timesteps)
+    assert engines.route == order  # WanPipeline: timestep >= 0.875 x 1000 -> transformer, else transformer_2
+
+    # the window start is drawn from the iteration's seed alone (every dp rank alike), over trained steps only
+    batch = {"prompts": ["x"] * 2}
+    share_step_choices(batch, engines, c, seed=5)
+    again = dict(prompts=["x"] * 2)
+    share_step_choices(again, engines, c, seed=5)
+    assert batch["window_start"] == again["window_start"]
+
+    c.model.experts = ["transformer_2"]
+    low_only = build_engines(c, None, FSDPEngine)
+    low_only.bind_schedule(torch.tensor([999.0, 900.0, 500.0, 100.0]))
+    assert isinstance(low_only.experts["transformer"], FrozenExpert) and list(low_only.trained) == ["transformer_2"]
+    assert low_only.trainable_steps() == [2, 3]
+    assert not any(p.requires_grad for p in low_only.experts["transformer"].model.parameters())
+    c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 4, 2, [0, 2]
+    # DanceGRPO with two experts: one subset of the trained expert's steps for the whole batch (never the last)
+    c.flowgrpo.algorithm, c.flowgrpo.timestep_fraction = "dance_grpo", 0.6
+    dance = {"prompts": ["x"] * 3}
+    share_step_choices(dance, low_only, c, seed=1)
+    assert dance["train_steps_host"] == [2] and dance["train_steps"].tolist() == [[2]] * 3
+    c.flowgrpo.algorithm = "flow_grpo"
+    with pytest.raises(ConfigError, match=r"no trainable window .* fix: flowgrpo\.window_range=\[2, 3\]"):
+        check_expert_steps(low_only, c)
+    c.model.experts = ["transformer_3"]
+    with pytest.raises(ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"):
+        build_engines(c, None, FSDPEngine)

@@ -1,0 +1,28 @@
+"""Reward scoring on real gloo ranks: one SP group of 2 (a stand-in engine: the group, the rank, the device)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+
+
+def split_scoring(rank: int, world: int, module: str) -> dict:
+    from sp_diffusers.flowgrpo.reward_loading import load_callable, reward_specs
+    from sp_diffusers.flowgrpo.reward_scoring import RewardError, RewardSet
+
+    engine = types.SimpleNamespace(sp_rank=rank, sp_size=world, sp_group=dist.group.WORLD, device=torch.device("cpu"))
+    latents = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(0))
+    prompts = [f"p{i}" for i in range(5)]
+    specs = reward_specs([{"fn": f"{module}:score", "input": "latents", "weight": 2.0}], "color")
+    total, _ = RewardSet(specs, lambda x: x, engine=engine)(latents, prompts)
+    calls = list(load_callable(f"{module}:score").__globals__["CALLS"])
+    single = 2.0 * latents.flatten(1).mean(dim=1)
+    failing = reward_specs([{"fn": f"{module}:rank1_fails", "input": "latents"}], "color")
+    try:
+        RewardSet(failing, lambda x: x, engine=engine)(latents, prompts)
+        error = ""
+    except RewardError as err:
+        error = str(err)
+    return {"total": total, "single": single.float(), "calls": calls, "error": error}

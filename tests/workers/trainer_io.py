@@ -1,0 +1,73 @@
+"""The trainer's I/O end to end: `sp-diffusers train` (the CLI's main) for several pipeline folders in one process
+group, and the trained model's own output (through the engine's checkpoint loading) for the export check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def train_runs(rank: int, world: int, runs: list[tuple[str, list[str], list[int]]]) -> dict[str, list[dict]]:
+    """For each (name, argv, iterations): `sp-diffusers train ARGV --iterations N` for each N in turn (a later N
+    resumes from the checkpoint of the earlier); rank 0 returns each run's metrics.jsonl."""
+    from sp_diffusers.cli import main
+    from tests.workers.engine_steps import _quiet
+
+    _quiet()
+    out: dict[str, list[dict]] = {}
+    for name, argv, iterations in runs:
+        for n in iterations:
+            assert main([*argv, "--iterations", str(n)]) == 0, name
+        if rank == 0:
+            run = Path(argv[argv.index("--out-dir") + 1])
+            out[name] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return out
+
+
+def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
+    """Fixed inputs for the run's transformer(s) and what the trained model returns on them: each trained expert
+    built as the run built it, its checkpoint loaded by the engine's own resume path (one process), and the base
+    model's output (to show the training moved it). Saved to ``out_file`` for a process without sp_diffusers."""
+    from sp_diffusers.engine import FSDPEngine
+    from sp_diffusers.flowgrpo.build import engine_settings
+    from sp_diffusers.flowgrpo.export import _fresh_model, run_config
+    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.pipeline_io import expert_names
+
+    config = run_config(run_dir)
+    config.parallel.ulysses_sequence_parallel_size = 1
+    names = expert_names(config)
+    trained = list(config.model.experts) or list(names)
+    g = torch.Generator().manual_seed(seed)
+    outputs, base, inputs = {}, {}, None
+    for name in trained:
+        model = _fresh_model(config, name)
+        if inputs is None:
+            c = model.config
+            adapter = build_adapter(model, config.model.image_size, True, config.model.frames, config.text.max_sequence_length)
+            width = getattr(c, "joint_attention_dim", None) or c.text_dim
+            embeds = torch.randn(2, config.text.max_sequence_length, width, generator=g)
+            pooled = torch.randn(2, c.pooled_projection_dim, generator=g) if hasattr(c, "pooled_projection_dim") else None
+            latents = torch.randn(adapter.latent_shape(2), generator=g)
+            inputs = adapter.inputs(latents, torch.tensor(600.0), embeds, torch.ones(2, embeds.shape[1], dtype=torch.bool), pooled)
+            inputs.pop("joint_attention_kwargs", None)  # SD3's text mask, all True here: the same as none
+        with torch.no_grad():
+            base[name] = model(**inputs, return_dict=False)[0]
+        engine = FSDPEngine(model, engine_settings(config))
+        root = Path(run_dir) / "checkpoints"
+        engine.load_checkpoint(root / name if len(names) > 1 else root)
+        with torch.no_grad():
+            outputs[name] = engine.forward(**inputs).detach()
+    case = {
+        "inputs": inputs,
+        "outputs": outputs,
+        "base": base,
+        "class": type(model).__name__.removeprefix("FSDP"),
+        "lora": config.lora.enabled,
+        "pipeline": config.model.pipeline,
+    }
+    torch.save(case, out_file)
+    return case
