@@ -43,15 +43,6 @@ FLOORS = {
 # patches/native_ulysses routes diffusers' native backend to sp_diffusers.attention: the patch *is* that
 # route. The only upward edge from patches, written down in docs/architecture.md.
 EXCEPTIONS = {("sp_diffusers.patches.native_ulysses", "sp_diffusers.attention")}
-# Issue 24: circles that still exist and are being removed. Each entry is one import edge that closes a
-# circle; this list may only shrink (an entry whose edge is gone fails the test, so it is taken off).
-# The engine's helpers name FSDPEngine for their type hints (under TYPE_CHECKING) while fsdp_engine imports
-# them: the fix is a Protocol in a lower module, or passing what each helper needs.
-PENDING_CIRCLE_EDGES = {
-    ("sp_diffusers.engine.batch", "sp_diffusers.engine.fsdp_engine"),
-    ("sp_diffusers.engine.checkpoint", "sp_diffusers.engine.fsdp_engine"),
-    ("sp_diffusers.engine.step_agreement", "sp_diffusers.engine.fsdp_engine"),
-}
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:
@@ -113,11 +104,6 @@ def _graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
 def test_dependencies_point_down_and_there_are_no_circles():
     graph, upward = _graph()
     assert not upward, "imports that point up:\n" + "\n".join(upward)
-    gone = sorted(edge for edge in PENDING_CIRCLE_EDGES if edge[1] not in graph.get(edge[0], ()))
-    assert not gone, f"circle edges removed (good): take them off PENDING_CIRCLE_EDGES: {gone}"
-    for source, target in PENDING_CIRCLE_EDGES:
-        graph[source].discard(target)
-
     cycles = _cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(cycles)
 
