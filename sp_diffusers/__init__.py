@@ -28,6 +28,7 @@ __all__ = [
     "context_parallel_config",
     "install",
     "pad_text_batch",
+    "set_rank_agreement",
     "sp_degree",
     "sync_sp_gradients",
     "uninstall",
@@ -47,6 +48,7 @@ _LAZY = {
     "pad_text_batch": ("padding", "pad_text_batch"),
     "sync_sp_gradients": ("gradients", "sync_sp_gradients"),
     "sp_degree": ("gradients", "sp_degree"),
+    "set_rank_agreement": ("forward_scope", "set_rank_agreement"),
     "ulysses_sdpa_attention": ("attention", "ulysses_sdpa_attention"),
 }
 

@@ -13,11 +13,14 @@ merge by log-sum-exp (``sp_diffusers.ring``: exact, backward included, K/V memor
 the ring all-gathers K/V instead (one softmax over every key). Heads need only divide U, so the SP
 degree U x R is not capped by the head count.
 
-Ranks may hold different local lengths (any sequence length, sharded as ``torch.tensor_split`` does):
-each call starts with a handshake (``sp_diffusers.handshake``) that tells every rank every rank's lengths and
+Ranks may hold different local lengths (any sequence length, sharded as ``torch.tensor_split`` does). Inside
+a model forward under a plan, every rank's lengths come from the forward's scope (``sp_diffusers.forward_scope``:
+the ranks agreed the inputs once, the plan's splits say the lengths) with no communication; a direct call
+starts with the per-call handshake (``sp_diffusers.handshake``) that tells every rank every rank's lengths and
 refuses, on every rank at once, calls whose inputs disagree across the group. Masks (``sp_diffusers.masks``)
-are normalised to SDPA's 4-D form ``[b, h, q, k]``; a dim at the local length is all-gathered (a key-padding
-mask stays O(S)), per-head masks are sliced to the local heads. Heads that do not divide P are zero-padded
+are normalised to SDPA's 4-D form ``[b, h, q, k]``; a key mask at the local length travels with K/V in their
+all-to-all, another dim at the local length is all-gathered, per-head masks are sliced to the local heads.
+On CUDA the local attention runs the fused kernels explicitly (``sp_diffusers.kernels``). Heads that do not divide P are zero-padded
 (padded heads are dropped, so the result is exact); GQA keeps K/V compact when H_kv divides P. Glossary of
 dimension letters: ``sp_diffusers.comm``.
 """
@@ -31,7 +34,10 @@ import torch.nn.functional as F
 
 from .comm import gather_seq, heads_to_seq, seq_to_heads
 from .cp_groups import CPGroups, cp_groups
-from .handshake import SPCallMismatch, agree
+from .forward_scope import current as current_scope
+from .forward_scope import remember, remembered, replay
+from .handshake import CallLayout, SPCallMismatch, agree
+from .kernels import additive_mask, fused_attention, kernel_for
 from .masks import MaskError, classify, key_padding_to_4d, prepare_mask
 from .ring import ring_attention
 
@@ -55,12 +61,26 @@ def local_sdpa_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Plain SDPA on ``[B, S, H, D]`` tensors with diffusers' mask conventions (the single-process path)."""
+    """SDPA on ``[B, S, H, D]`` tensors with diffusers' mask conventions (the single-process path).
+
+    On CUDA (and on ``meta``, its stand-in when tracing) it runs the fused kernels explicitly
+    (``sp_diffusers.kernels``): never SDPA's math fallback with its score matrix. On CPU it is SDPA itself."""
     if attn_mask is not None:
         try:
             attn_mask = key_padding_to_4d(attn_mask, query.shape[0], (key.shape[1],))
         except MaskError as err:
             raise UlyssesAttentionError(str(err)) from None
+    if kernel_for(query, attn_mask is not None) in ("flash", "efficient"):
+        out = fused_attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask,
+            scale,
+            is_causal,
+            dropout_p,
+        )
+        return out.transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -149,7 +169,9 @@ def ulysses_sdpa_attention(
         return local_sdpa_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     error = _local_error(query, key, value, attn_mask, is_causal, groups.ulysses)
     try:
-        layout = agree(query, key, attn_mask, is_causal, dropout_p, scale, error, groups.cp_group)
+        layout = _call_layout(
+            query, key, attn_mask, is_causal, dropout_p, scale, error, groups, _parallel_config
+        )
         form = None
         if layout.mask_shapes is not None:
             form = classify(
@@ -160,6 +182,99 @@ def ulysses_sdpa_attention(
     if query.shape[0] == 0:  # an empty batch on every rank (the handshake checked): nothing to exchange
         return local_sdpa_attention(query, key, value, None, dropout_p, False, scale, enable_gqa)
     return _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups, layout)
+
+
+def _call_layout(query, key, attn_mask, is_causal, dropout_p, scale, error, groups: CPGroups, config):
+    """Every rank's lengths (and mask shapes) for this call: from the model forward's scope where it knows them
+    (no communication), else from the per-call handshake (``sp_diffusers.forward_scope`` says when, and why
+    every rank decides alike)."""
+    scope = current_scope(config)
+    mask_shape = tuple(attn_mask.shape) if attn_mask is not None else None
+    local = (query.shape[1], key.shape[1], mask_shape) if query.dim() == 4 and key.dim() == 4 else None
+
+    def handshake() -> CallLayout:
+        return agree(query, key, attn_mask, is_causal, dropout_p, scale, error, groups.cp_group)
+
+    if scope is None:  # outside a model forward: a direct call, or a call recomputed in backward
+        found = replay(config, "attention", CallLayout.view, local) if error is None else None
+        return found or handshake()
+    key_of_call = None if scope.even else scope.next_call("attention")
+    if scope.mode == "per_call":
+        layout = handshake()
+        _check_inferred(scope, layout, key_of_call)
+    elif error is not None:
+        # the scope's inputs were agreed (or trusted), so every rank reaches this same error here
+        raise UlyssesAttentionError(f"ulysses_sdpa: {error}")
+    elif key_of_call is None:
+        world = groups.world
+        layout = CallLayout(
+            (local[0],) * world, (local[1],) * world, None if mask_shape is None else (mask_shape,) * world
+        )
+    else:
+        layout = remembered(key_of_call)
+        if layout is None:
+            layout = handshake()
+            remember(key_of_call, layout)
+        elif layout.view(groups.cp_rank) != local:
+            raise UlyssesAttentionError(
+                f"ulysses_sdpa: this call's local lengths and mask {local} differ from those of the same call in an "
+                f"earlier forward with the same input shapes ({layout.view(groups.cp_rank)}): the model's attention "
+                "lengths depend on more than its input shapes and split lengths. Fix: "
+                "sp_diffusers.set_rank_agreement(model, 'per_call') (debug_checks) for this model"
+            )
+    scope.add("attention", layout)
+    return layout
+
+
+def _check_inferred(scope, layout: CallLayout, key_of_call) -> None:
+    """``debug_checks``: the handshake's table against what the scope would have used (every rank sees the same
+    table and the same scope, so every rank raises alike)."""
+    if key_of_call is None:
+        uniform = len(set(layout.q_sizes)) == 1 and len(set(layout.kv_sizes)) == 1
+        if not uniform or (layout.mask_shapes is not None and len(set(layout.mask_shapes)) > 1):
+            raise SPCallMismatch(
+                f"ulysses_sdpa: every split of this forward divides the SP degree, yet the ranks' lengths differ "
+                f"(query {list(layout.q_sizes)}, key {list(layout.kv_sizes)}): a sequence of this model is neither "
+                "split by the plan nor whole on every rank, which the per-forward scope cannot size without asking. "
+                "Fix: keep sp_diffusers.set_rank_agreement(model, 'per_call') for this model"
+            )
+        return
+    known = remembered(key_of_call)
+    if known is not None and known != layout:
+        raise SPCallMismatch(
+            f"ulysses_sdpa: this call's layout {layout} differs from the same call in an earlier forward with the "
+            f"same input shapes ({known}); fix: keep sp_diffusers.set_rank_agreement(model, 'per_call') for this model"
+        )
+    remember(key_of_call, layout)
+
+
+_ROW_SLOT_BYTES = 64  # per head of a key mask riding with K/V: the alignment of Q/K/V's rows is kept
+
+
+def _key_rows(attn_mask, form, query, kv_sizes, cp_rank, ulysses, padded_heads) -> torch.Tensor | None:
+    """A key mask at the local key length - one row of keys per batch entry (``[B, S_kv_local]``,
+    ``[b, 1, 1, S_kv_local]``) or per head (``[b, H, 1, S_kv_local]``) - as ``[B, S_kv_local, heads, slot]`` of
+    the query's dtype (additive, see :func:`_in_slots`), laid out like K so that it travels in K/V's collective:
+    one copy of a shared row per destination, or each destination's own heads. None for any other mask (it is
+    all-gathered)."""
+    if attn_mask is None or form != ("1", "local") or attn_mask.dtype not in (torch.bool, query.dtype):
+        return None
+    mask = key_padding_to_4d(attn_mask, query.shape[0], (kv_sizes[cp_rank], sum(kv_sizes)))
+    if mask.shape[2] != 1 or mask.shape[1] not in (1, query.shape[2]):
+        return None
+    rows = additive_mask(mask[:, :, 0, :], query.dtype).expand(query.shape[0], -1, -1).transpose(1, 2)
+    if rows.shape[2] == 1:
+        rows = rows.expand(-1, -1, ulysses)
+    else:
+        rows = F.pad(rows, (0, padded_heads - rows.shape[2]))  # padded heads: neutral (0)
+    return _in_slots(rows)
+
+
+def _in_slots(rows: torch.Tensor) -> torch.Tensor:
+    """``[B, S, h]`` -> ``[B, S, h, slot]``, the value first: each head's mask value travels in a slot of 64
+    bytes, so that the rows of the shared receive buffer keep the alignment of Q/K/V's own (an odd row width
+    changed which CPU kernels SDPA ran, and so its rounding, between a rollout and a training forward)."""
+    return F.pad(rows[..., None], (0, _ROW_SLOT_BYTES // rows.element_size() - 1))
 
 
 def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, groups: CPGroups, layout):
@@ -179,7 +294,11 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
         pad = (0, 0, 0, padded_heads - heads)
         query, key, value = F.pad(query, pad), F.pad(key, pad), F.pad(value, pad)
 
-    if attn_mask is not None:
+    key_rows = _key_rows(attn_mask, form, query, layout.kv_sizes, cp_rank, ulysses, padded_heads)
+    key_mask_dtype = attn_mask.dtype if key_rows is not None else None
+    if key_rows is not None:
+        attn_mask = None  # a local key-padding mask rides along with K/V: no collective of its own
+    elif attn_mask is not None:
         attn_mask = prepare_mask(
             attn_mask,
             form,
@@ -194,11 +313,25 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             cp_group=groups.cp_group,
         )
 
-    if ulysses > 1:
+    seg_mask = None  # [B, h, 1, S_segment] additive: the key mask of this ring segment's keys, local heads
+    if ulysses > 1 and key_rows is not None:
+        # the mask rows ride in the K/V block of the same collective
+        q, k, v, rows = seq_to_heads(
+            [query, key, value, key_rows], group, [q_sizes, kv_sizes, kv_sizes, kv_sizes]
+        )
+        seg_mask = rows[..., 0].transpose(1, 2)[:, :, None, :]  # [B, h, 1, S_segment]
+    elif ulysses > 1:
         # [B, S_segment, H/U, D] (K/V: H_kv/U); S_segment = this ring segment's length
         q, k, v = seq_to_heads([query, key, value], group, [q_sizes, kv_sizes, kv_sizes])
     else:
         q, k, v = query, key, value
+        if key_rows is not None:
+            seg_mask = key_rows[..., 0].transpose(1, 2)[:, :, None, :]
+    if seg_mask is not None and key_mask_dtype == torch.bool:
+        # back to the bool mask it was: SDPA then runs exactly what it runs for the gathered mask
+        seg_mask = ~torch.isneginf(seg_mask)
+    if seg_mask is not None and ring == 1:
+        attn_mask = seg_mask
     if ring > 1:
         # every ring segment's length, and where this one starts (causal rows are global positions)
         seg_q = [sum(layout.q_sizes[r * ulysses : (r + 1) * ulysses]) for r in range(ring)]
@@ -218,13 +351,18 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             scale=scale,
             kv_sizes=seg_kv if layout.uneven else None,
             q_start=q_start,
+            # only when there is one: ring_attention's callers and stand-ins without it stay valid
+            **({"kv_mask": seg_mask} if seg_mask is not None else {}),
         ).transpose(1, 2)
     else:
         if ring > 1:
             # Dropout needs one softmax over all keys: all-gather K/V instead of streaming them.
-            k, v = gather_seq(
-                [k, v], groups.ring_group, seg_kv if layout.uneven else None
+            gathered = [k, v] if seg_mask is None else [k, v, _in_slots(seg_mask[:, :, 0, :].transpose(1, 2))]
+            k, v, *rows = gather_seq(
+                gathered, groups.ring_group, seg_kv if layout.uneven else None
             )  # [B, S_kv, H/U, D]
+            if rows:
+                attn_mask = rows[0][..., 0].transpose(1, 2)[:, :, None, :]
             if is_causal:
                 # SDPA's is_causal aligns query 0 with key 0; this segment's queries start at q_start
                 rows = torch.arange(q.shape[1], device=q.device) + q_start

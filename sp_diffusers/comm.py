@@ -5,8 +5,10 @@ Glossary (used in every shape comment of this package):
     H   heads (query or K/V)      D   head dim                   H_l = H / P, the local heads
     P   Ulysses degree (size of the process group)
 
-The exchange packs every tensor of one call into a single ``all_to_all_single``: a collective costs
-~1 ms of latency on gloo, more than the layout work it saves. The send buffer is laid out
+The exchange packs every tensor of one call into a single ``all_to_all_single``, queries and K/V of
+different lengths (cross-attention) included: a collective costs ~1 ms of latency on gloo and a launch and
+a synchronisation point on NCCL, more than the layout work it saves. A tensor that needs no gradient (a key
+mask riding along with K/V) gets none back in the backward exchange. The send buffer is laid out
 ``[P, S_l, B, W]`` (W = sum of H_l * D over the packed tensors), destination rank first, so that after
 the exchange the source-rank dim and ``S_l`` are adjacent and merge into ``S`` without a copy: the
 received tensors are strided views, one layout copy in total on the way in.
@@ -20,6 +22,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+# the all-gathers live in sp_diffusers.gathers; importable from here as before
+from .gathers import Sizes, all_gather_along, gather_ints, gather_seq
+from .gathers import uniform as _uniform
 
 __all__ = [
     "Sizes",
@@ -60,118 +66,202 @@ def release_buffers() -> None:
     _SEND_BUFFERS.clear()
 
 
-Sizes = Sequence[int] | None  # per-rank local sequence lengths (rank order); None: equal, S_l on every rank
-
-
 def split_sizes(total: int, world: int) -> list[int]:
     """How a length ``total`` is split over ``world`` ranks: ``torch.tensor_split``'s rule (the first
     ``total % world`` ranks hold one more), which diffusers' uneven sharding and sp-diffusers' share."""
     return [total // world + (r < total % world) for r in range(world)]
 
 
-def _uniform(sizes: Sizes) -> bool:
-    return sizes is None or all(n == sizes[0] for n in sizes)
+def _buckets(tensors: Sequence[torch.Tensor], sizes: Sequence[Sizes]) -> dict[tuple, list[int]]:
+    """Tensors sharing (B, S_l, sizes, dtype, device) travel as one block of the send buffer."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        key = (t.shape[0], t.shape[1], None if _uniform(sizes[i]) else tuple(sizes[i]), t.dtype, t.device)
+        buckets.setdefault(key, []).append(i)
+    return buckets
+
+
+def _pack_seq(send: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], world: int) -> None:
+    """``send`` ``[P, S_l, B, W]`` <- the tensors ``idx`` (``[B, S_l, H, D]``), heads of destination p at p."""
+    offset = 0
+    for i in idx:
+        t = tensors[i]
+        h_l, d = t.shape[2] // world, t.shape[3]
+        # [B, S_l, P, H_l, D] -> [P, S_l, B, H_l, D]: the only layout copy of this direction.
+        send[..., offset : offset + h_l * d].unflatten(-1, (h_l, d)).copy_(
+            t.unflatten(2, (world, h_l)).permute(2, 1, 0, 3, 4)
+        )
+        offset += h_l * d
+
+
+def _unpack_heads(
+    recv: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], world: int, out: list
+) -> None:
+    """``recv`` ``[S, B, W]`` -> each tensor ``[B, S, H_l, D]`` as a strided view."""
+    offset = 0
+    for i in idx:
+        h_l, d = tensors[i].shape[2] // world, tensors[i].shape[3]
+        out[i] = recv[..., offset : offset + h_l * d].unflatten(-1, (h_l, d)).transpose(0, 1)
+        offset += h_l * d
 
 
 def _seq_to_heads_impl(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes]
 ) -> list[torch.Tensor]:
-    """``[B, S_l, H, D] -> [B, S, H/P, D]`` for each tensor; tensors sharing (B, sizes) share one collective.
+    """``[B, S_l, H, D] -> [B, S, H/P, D]`` for each tensor, in one collective per dtype.
 
     Every destination gets all of this rank's ``S_l`` rows (of its own heads), so the send splits are equal;
-    from source ``p`` arrive ``sizes[p]`` rows, which the receive splits carry.
+    from source ``p`` arrive ``sizes[p]`` rows, which the receive splits carry. Tensors of different lengths
+    (cross-attention: queries and K/V) share the collective through a flat buffer whose per-rank blocks
+    hold one piece of each length; their receive side costs one more copy.
     """
     world = dist.get_world_size(group)
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    buckets: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        key = (t.shape[0], t.shape[1], None if _uniform(sizes[i]) else tuple(sizes[i]), t.dtype, t.device)
-        buckets.setdefault(key, []).append(i)
-
-    for (b, s_l, uneven, dtype, device), idx in buckets.items():
-        widths = [tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx]
-        send = _send_buffer((world, s_l, b, sum(widths)), dtype, device)
+    by_dtype: dict[tuple, dict[tuple, list[int]]] = {}
+    for key, idx in _buckets(tensors, sizes).items():
+        by_dtype.setdefault(key[3:], {})[key] = idx
+    for (dtype, device), buckets in by_dtype.items():
+        if len(buckets) == 1:
+            (((b, s_l, uneven, _, _), idx),) = buckets.items()
+            width = sum(tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx)
+            send = _send_buffer((world, s_l, b, width), dtype, device)
+            _pack_seq(send, tensors, idx, world)
+            if uneven is None:
+                recv = torch.empty_like(send)
+                dist.all_to_all_single(recv, send, group=group)
+                recv = recv.view(world * s_l, b, width)  # [P, S_l, B, W] -> [S, B, W], free
+            else:
+                # [S, B, W] with source p's rows at its offset: the same free view, split sizes per source
+                recv = torch.empty((sum(uneven), b, width), dtype=dtype, device=device)
+                dist.all_to_all_single(
+                    recv, send.view(world * s_l, b, width), list(uneven), [s_l] * world, group=group
+                )
+            _unpack_heads(recv, tensors, idx, world, out)
+            continue
+        # several lengths: per destination one block [piece of bucket 0 | piece of bucket 1 | ...]
+        shapes = []  # (idx, b, s_l, every rank's length, width)
+        for (b, s_l, uneven, _, _), idx in buckets.items():
+            width = sum(tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx)
+            shapes.append((idx, b, s_l, list(uneven) if uneven is not None else [s_l] * world, width))
+        block = sum(b * s_l * w for _, b, s_l, _, w in shapes)
+        send = _send_buffer((world, block), dtype, device)
         offset = 0
-        for i, w in zip(idx, widths, strict=True):
-            t = tensors[i]
-            h_l, d = t.shape[2] // world, t.shape[3]
-            # [B, S_l, P, H_l, D] -> [P, S_l, B, H_l, D]: the only layout copy of this direction.
-            send[..., offset : offset + w].unflatten(-1, (h_l, d)).copy_(
-                t.unflatten(2, (world, h_l)).permute(2, 1, 0, 3, 4)
-            )
-            offset += w
-        if uneven is None:
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=group)
-            recv = recv.view(world * s_l, b, send.shape[-1])  # [P, S_l, B, W] -> [S, B, W], free
-        else:
-            # [S, B, W] with source p's rows at its offset: the same free view, split sizes per source
-            recv = torch.empty((sum(uneven), b, send.shape[-1]), dtype=dtype, device=device)
-            dist.all_to_all_single(
-                recv, send.view(world * s_l, b, send.shape[-1]), list(uneven), [s_l] * world, group=group
-            )
-        offset = 0
-        for i, w in zip(idx, widths, strict=True):
-            h_l, d = tensors[i].shape[2] // world, tensors[i].shape[3]
-            # [S, B, H_l, D] -> [B, S, H_l, D] as a strided view
-            out[i] = recv[..., offset : offset + w].unflatten(-1, (h_l, d)).transpose(0, 1)
-            offset += w
+        for idx, b, s_l, _, w in shapes:
+            _pack_seq(send[:, offset : offset + b * s_l * w].view(world, s_l, b, w), tensors, idx, world)
+            offset += b * s_l * w
+        from_source = [sum(b * n[p] * w for _, b, _, n, w in shapes) for p in range(world)]
+        recv = torch.empty(sum(from_source), dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send.view(-1), from_source, [block] * world, group=group)
+        pieces = recv.split(from_source)
+        starts = [0] * world  # where the next bucket's piece begins in each source's block
+        for idx, b, _, n, w in shapes:
+            rows = []
+            for p, piece in enumerate(pieces):
+                rows.append(piece[starts[p] : starts[p] + b * n[p] * w].view(n[p], b, w))
+                starts[p] += b * n[p] * w
+            _unpack_heads(torch.cat(rows), tensors, idx, world, out)
     return out  # type: ignore[return-value]
+
+
+def _pack_rows(send: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int]) -> None:
+    """``send`` ``[S, B, W]`` <- the tensors ``idx`` (``[B, S, H_l, D]``)."""
+    offset = 0
+    for i in idx:
+        t = tensors[i]
+        w = t.shape[2] * t.shape[3]
+        send[..., offset : offset + w].unflatten(-1, (t.shape[2], t.shape[3])).copy_(t.transpose(0, 1))
+        offset += w
+
+
+def _unpack_seq(
+    recv: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], world: int, out: list
+) -> None:
+    """``recv`` ``[P, S_l, B, W]`` -> each tensor ``[B, S_l, H_l * P, D]``: heads of source rank p land at
+    ``p * H_l``, the head order of the unsharded tensor. The reshape is the receive copy."""
+    b, s_l = recv.shape[2], recv.shape[1]
+    offset = 0
+    for i in idx:
+        h_l, d = tensors[i].shape[2], tensors[i].shape[3]
+        out[i] = (
+            recv[..., offset : offset + h_l * d]
+            .unflatten(-1, (h_l, d))
+            .permute(2, 1, 0, 3, 4)
+            .reshape(b, s_l, world * h_l, d)
+        )
+        offset += h_l * d
 
 
 def _heads_to_seq_impl(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes]
 ) -> list[torch.Tensor]:
-    """``[B, S, H_l, D] -> [B, S_l, H_l * P, D]`` for each tensor; the exact inverse of ``_seq_to_heads_impl``.
+    """``[B, S, H_l, D] -> [B, S_l, H_l * P, D]`` for each tensor; the exact inverse of ``_seq_to_heads_impl``,
+    one collective per dtype.
 
     Destination ``p`` gets rows ``[offset_p, offset_p + sizes[p])``; from every source arrive this rank's
     ``S_l`` rows (of the source's heads): equal receive splits.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    buckets: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        key = (t.shape[0], t.shape[1], None if _uniform(sizes[i]) else tuple(sizes[i]), t.dtype, t.device)
-        buckets.setdefault(key, []).append(i)
-
-    for (b, s, uneven, dtype, device), idx in buckets.items():
-        s_l = s // world if uneven is None else uneven[rank]
-        widths = [tensors[i].shape[2] * tensors[i].shape[3] for i in idx]
-        if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
-            # SDPA writes its output in the query's layout, and the queries came out of seq_to_heads as
-            # [S, B, H_l, D] in memory: that already is the send layout [S, B, W] (destination rows in rank
-            # order), so no pack copy.
-            send = tensors[idx[0]].transpose(0, 1).reshape(s, b, widths[0])
-        else:
-            send = _send_buffer((s, b, sum(widths)), dtype, device)
-            offset = 0
-            for i, w in zip(idx, widths, strict=True):
-                t = tensors[i]
-                # [B, S, H_l, D] -> [S, B, H_l, D]
-                send[..., offset : offset + w].unflatten(-1, (t.shape[2], t.shape[3])).copy_(
-                    t.transpose(0, 1)
+    by_dtype: dict[tuple, dict[tuple, list[int]]] = {}
+    for key, idx in _buckets(tensors, sizes).items():
+        by_dtype.setdefault(key[3:], {})[key] = idx
+    for (dtype, device), buckets in by_dtype.items():
+        if len(buckets) == 1:
+            (((b, s, uneven, _, _), idx),) = buckets.items()
+            s_l = s // world if uneven is None else uneven[rank]
+            width = sum(tensors[i].shape[2] * tensors[i].shape[3] for i in idx)
+            if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
+                # SDPA writes its output in the query's layout, and the queries came out of seq_to_heads as
+                # [S, B, H_l, D] in memory: that already is the send layout [S, B, W] (destination rows in
+                # rank order), so no pack copy.
+                send = tensors[idx[0]].transpose(0, 1).reshape(s, b, width)
+            else:
+                send = _send_buffer((s, b, width), dtype, device)
+                _pack_rows(send, tensors, idx)
+            recv = torch.empty((world, s_l, b, width), dtype=dtype, device=device)
+            if uneven is None:
+                dist.all_to_all_single(recv, send.view(world, s_l, b, width), group=group)
+            else:
+                dist.all_to_all_single(
+                    recv.view(world * s_l, b, width), send, [s_l] * world, list(uneven), group=group
                 )
-                offset += w
-        recv = torch.empty((world, s_l, b, send.shape[-1]), dtype=dtype, device=device)
-        if uneven is None:
-            dist.all_to_all_single(recv, send.view(world, s_l, b, send.shape[-1]), group=group)
-        else:
-            dist.all_to_all_single(
-                recv.view(world * s_l, b, send.shape[-1]), send, [s_l] * world, list(uneven), group=group
-            )
+            _unpack_seq(recv, tensors, idx, world, out)
+            continue
+        # several lengths: the block for destination p holds its rows of bucket 0, then of bucket 1, ...
+        shapes = []  # (idx, b, every rank's length, width)
+        for (b, s, uneven, _, _), idx in buckets.items():
+            width = sum(tensors[i].shape[2] * tensors[i].shape[3] for i in idx)
+            shapes.append((idx, b, list(uneven) if uneven is not None else [s // world] * world, width))
+        to_dest = [sum(b * n[p] * w for _, b, n, w in shapes) for p in range(world)]
+        send = _send_buffer((sum(to_dest),), dtype, device)
+        blocks = send.split(to_dest)
+        starts = [0] * world
+        for idx, b, n, w in shapes:
+            rows = torch.empty((sum(n), b, w), dtype=dtype, device=device)
+            _pack_rows(rows, tensors, idx)
+            for p, part in enumerate(rows.split(n)):
+                blocks[p][starts[p] : starts[p] + part.numel()].view_as(part).copy_(part)
+                starts[p] += part.numel()
+        block = sum(b * n[rank] * w for _, b, n, w in shapes)
+        recv = torch.empty((world, block), dtype=dtype, device=device)
+        dist.all_to_all_single(recv.view(-1), send, [block] * world, to_dest, group=group)
         offset = 0
-        for i, w in zip(idx, widths, strict=True):
-            h_l, d = tensors[i].shape[2], tensors[i].shape[3]
-            # [P, S_l, B, H_l, D] -> [B, S_l, P, H_l, D] -> [B, S_l, H, D]: heads of source rank p land at
-            # p * H_l, which is the head order of the unsharded tensor. The reshape is the receive copy.
-            out[i] = (
-                recv[..., offset : offset + w]
-                .unflatten(-1, (h_l, d))
-                .permute(2, 1, 0, 3, 4)
-                .reshape(b, s_l, world * h_l, d)
-            )
-            offset += w
+        for idx, b, n, w in shapes:
+            piece = recv[:, offset : offset + b * n[rank] * w].view(world, n[rank], b, w)
+            _unpack_seq(piece, tensors, idx, world, out)
+            offset += b * n[rank] * w
     return out  # type: ignore[return-value]
+
+
+def _exchange_grads(ctx, grads: Sequence[torch.Tensor], impl) -> tuple:
+    """The inverse exchange of the gradients of the inputs that need one (a mask riding along gets None)."""
+    needed = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
+    result: list[torch.Tensor | None] = [None] * len(grads)
+    if needed:
+        exchanged = impl([grads[i] for i in needed], ctx.group, [ctx.sizes[i] for i in needed])
+        for i, g in zip(needed, exchanged, strict=True):
+            result[i] = g
+    return (None, None, *result)
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -180,11 +270,13 @@ class _SeqToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
         ctx.group, ctx.sizes = group, sizes
-        return tuple(_seq_to_heads_impl(tensors, group, sizes))
+        out = tuple(_seq_to_heads_impl(tensors, group, sizes))
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors, strict=True) if not t.requires_grad))
+        return out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return (None, None, *_heads_to_seq_impl(grads, ctx.group, ctx.sizes))
+        return _exchange_grads(ctx, grads, _heads_to_seq_impl)
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -193,11 +285,13 @@ class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
         ctx.group, ctx.sizes = group, sizes
-        return tuple(_heads_to_seq_impl(tensors, group, sizes))
+        out = tuple(_heads_to_seq_impl(tensors, group, sizes))
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors, strict=True) if not t.requires_grad))
+        return out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return (None, None, *_seq_to_heads_impl(grads, ctx.group, ctx.sizes))
+        return _exchange_grads(ctx, grads, _seq_to_heads_impl)
 
 
 def _check_shapes(
@@ -270,116 +364,3 @@ def to_all_to_all_order(x: torch.Tensor, dim: int, first: list[int], second: lis
     a, b = x.split([sum(first), sum(second)], dim=dim)
     pieces = [t for pair in zip(a.split(first, dim=dim), b.split(second, dim=dim), strict=True) for t in pair]
     return torch.cat(pieces, dim=dim)
-
-
-def all_gather_along(
-    x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Sizes = None
-) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` in rank order (not differentiable; for masks).
-
-    ``sizes``: every rank's length of ``dim`` when they differ (the other dims must agree); None when all
-    ranks pass the same shape. Uneven pieces travel padded to the longest (gloo needs equal shapes) and are
-    cut back. Bool tensors travel as uint8 (gloo and NCCL both accept it).
-    """
-    world = dist.get_world_size(group)
-    if world == 1:
-        return x
-    is_bool = x.dtype == torch.bool
-    src = (x.to(torch.uint8) if is_bool else x).contiguous()
-    longest = max(sizes) if not _uniform(sizes) else None
-    if longest is not None and src.shape[dim] < longest:
-        pad = list(src.shape)
-        pad[dim] = longest - src.shape[dim]
-        src = torch.cat([src, src.new_zeros(pad)], dim=dim)
-    parts = [torch.empty_like(src) for _ in range(world)]
-    dist.all_gather(parts, src, group=group)
-    if longest is not None:
-        parts = [p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)]
-    out = torch.cat(parts, dim=dim)
-    return out.to(torch.bool) if is_bool else out
-
-
-def gather_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
-    """Every rank's small integer vector (all of one length), in rank order (one collective)."""
-    t = torch.tensor(list(values), dtype=torch.int64, device=device)
-    gathered = all_gather_along(t.unsqueeze(0), 0, group)
-    return gathered.tolist()
-
-
-def _all_gather_dim0(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
-
-
-def _gather_seq_impl(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sizes
-) -> list[torch.Tensor]:
-    """``[B, S_l, H, D] -> [B, S, H, D]`` for tensors sharing (B, S_l): one fused all-gather, rank order."""
-    world = dist.get_world_size(group)
-    b, s_l = tensors[0].shape[:2]
-    longest = s_l if _uniform(sizes) else max(sizes)
-    widths = [t.shape[2] * t.shape[3] for t in tensors]
-    # uneven: every rank sends `longest` rows (its own, then zeros), the padding is cut out after
-    send = torch.zeros((longest, b, sum(widths)), dtype=tensors[0].dtype, device=tensors[0].device)
-    offset = 0
-    for t, w in zip(tensors, widths, strict=True):
-        send[:s_l, :, offset : offset + w].copy_(t.flatten(2).transpose(0, 1))
-        offset += w
-    recv = torch.empty((world * longest, b, sum(widths)), dtype=send.dtype, device=send.device)
-    _all_gather_dim0(recv, send, group)
-    if not _uniform(sizes):
-        recv = torch.cat([recv[p * longest : p * longest + n] for p, n in enumerate(sizes)])
-    out, offset = [], 0
-    for t, w in zip(tensors, widths, strict=True):
-        out.append(recv[..., offset : offset + w].unflatten(-1, t.shape[2:]).transpose(0, 1))
-        offset += w
-    return out
-
-
-class _GatherSeq(torch.autograd.Function):
-    """Forward: all-gather along the sequence. Backward: every rank's gradient for my chunk, summed."""
-
-    @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, sizes: Sizes, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.group, ctx.sizes = group, sizes
-        ctx.local_len = tensors[0].shape[1]
-        return tuple(_gather_seq_impl(tensors, group, sizes))
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        rank, s_l = dist.get_rank(ctx.group), ctx.local_len
-        start = rank * s_l if _uniform(ctx.sizes) else sum(ctx.sizes[:rank])
-        widths = [g.shape[2] * g.shape[3] for g in grads]
-        b = grads[0].shape[0]
-        packed = torch.empty(
-            (grads[0].shape[1], b, sum(widths)), dtype=grads[0].dtype, device=grads[0].device
-        )
-        offset = 0
-        for g, w in zip(grads, widths, strict=True):
-            packed[..., offset : offset + w].copy_(g.flatten(2).transpose(0, 1))
-            offset += w
-        # gloo has no reduce_scatter: all-reduce the packed gradients and keep this rank's chunk
-        dist.all_reduce(packed, group=ctx.group)
-        mine = packed[start : start + s_l]
-        out, offset = [], 0
-        for g, w in zip(grads, widths, strict=True):
-            out.append(mine[..., offset : offset + w].unflatten(-1, g.shape[2:]).transpose(0, 1).contiguous())
-            offset += w
-        return (None, None, *out)
-
-
-def gather_seq(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sizes = None
-) -> list[torch.Tensor]:
-    """All-gather ``[B, S_l, H, D] -> [B, S, H, D]`` along the sequence (rank order), differentiable.
-
-    The ring dimension of Ulysses x Ring with dropout: each rank's queries attend to every rank's keys/values.
-    The backward sums every rank's gradient for this rank's chunk. Tensors must share (B, S_l); ``sizes``
-    lists every rank's ``S_l`` when they differ.
-    """
-    if dist.get_world_size(group) == 1:
-        return list(tensors)
-    shapes = {tuple(t.shape[:2]) for t in tensors}
-    if len(shapes) != 1:
-        raise ValueError(f"gather_seq needs one (B, S/R) for all tensors, got {sorted(shapes)}")
-    return list(_GatherSeq.apply(group, sizes, *tensors))

@@ -8,21 +8,26 @@ different attentions. So each call starts with one small all-gather of what each
 proceeds, with every rank's sequence lengths (uneven shards need them for the split sizes), or raises the
 same error, naming the input, the ranks and their values.
 
-One collective of ~20 integers per attention call: ~1 ms on gloo against ~800 ms for the attention at
-S = 4096 (0.1%); on NCCL it costs a host sync per call.
+That per-call handshake is for calls outside a model forward (direct calls of the backend) and for
+``debug_checks``. Inside a plan-driven forward the ranks agree once, at the model's entry, on everything the
+calls derive from: :func:`agree_forward` compares one digest of the model and of every input's shape, dtype
+and value (plain Python values; tensors by shape and dtype) - one collective and one host sync per forward -
+and on a mismatch tells every rank which input differs on which ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .comm import gather_ints
 
-__all__ = ["CallLayout", "SPCallMismatch", "agree"]
+__all__ = ["CallLayout", "SPCallMismatch", "agree", "agree_forward", "describe"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool)
 # field name -> (what it is, the fix when ranks disagree)
@@ -50,9 +55,17 @@ class SPCallMismatch(ValueError):
 class CallLayout:
     """Every rank's local lengths, in the context-parallel group's rank order, and the mask's raw shapes."""
 
-    q_sizes: list[int]
-    kv_sizes: list[int]
-    mask_shapes: list[tuple[int, ...]] | None  # each rank's attn_mask shape (None: no mask anywhere)
+    q_sizes: tuple[int, ...]
+    kv_sizes: tuple[int, ...]
+    mask_shapes: tuple[tuple[int, ...], ...] | None  # each rank's attn_mask shape (None: no mask anywhere)
+
+    def view(self, rank: int) -> tuple:
+        """What ``rank`` sees of this layout on its own: its lengths and its mask's shape."""
+        return (
+            self.q_sizes[rank],
+            self.kv_sizes[rank],
+            None if self.mask_shapes is None else self.mask_shapes[rank],
+        )
 
     @property
     def uneven(self) -> bool:
@@ -134,5 +147,61 @@ def agree(
             )
     mask_shapes = None
     if table[0][8] >= 0:
-        mask_shapes = [tuple(r[9 : 9 + r[8]]) for r in table]
-    return CallLayout([r[2] for r in table], [r[3] for r in table], mask_shapes)
+        mask_shapes = tuple(tuple(r[9 : 9 + r[8]]) for r in table)
+    return CallLayout(tuple(r[2] for r in table), tuple(r[3] for r in table), mask_shapes)
+
+
+def describe(name: str, value: Any, out: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """``(name, description)`` of every leaf of a forward input, containers flattened into dotted names:
+    tensors by shape, dtype and device type (not device index, not values), plain values as they are, other
+    objects by type. Rank-independent, so that every rank of an SP group describes the same inputs alike."""
+    out = [] if out is None else out
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        out.append((name, f"tensor{list(value.shape)} {dtype} on {value.device.type}"))
+    elif isinstance(value, dict):
+        if not value:
+            out.append((name, "{}"))
+        for k, v in value.items():
+            describe(f"{name}.{k}", v, out)
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            out.append((name, repr(value)))
+        for i, v in enumerate(value):
+            describe(f"{name}[{i}]", v, out)
+    elif value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        out.append((name, repr(value)))
+    else:
+        out.append((name, f"a {type(value).__name__}"))
+    return out
+
+
+def _digest(signature: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _first_difference(rows: list[Any], ranks: list[int]) -> str:
+    """The first input whose description differs across the ranks, with each rank's."""
+    named = [dict(row) for row in rows]
+    for name in dict.fromkeys(n for row in named for n in row):
+        values = [row.get(name, "(absent)") for row in named]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {ranks[i]}: {v}" for i, v in enumerate(values))
+            return f"{name} ({per_rank})"
+    return "the order of their inputs"
+
+
+def agree_forward(signature: list[tuple[str, str]], group: dist.ProcessGroup, device: torch.device) -> None:
+    """The once-per-forward agreement: one all-gather of a digest of ``signature`` (``(name, description)`` of
+    the model and of every input, see :func:`describe`); on a mismatch every rank raises the same
+    :class:`SPCallMismatch`, naming the first input that differs and every rank's description of it."""
+    table = gather_ints([_digest(signature)], group, device)
+    if len({row[0] for row in table}) == 1:
+        return
+    rows: list[Any] = [None] * len(table)
+    dist.all_gather_object(rows, signature, group=group)
+    raise SPCallMismatch(
+        "sp_diffusers: the ranks of the SP group called the model with different inputs: "
+        f"{_first_difference(rows, dist.get_process_group_ranks(group))}; fix: every rank of an SP group must run "
+        "the same model on the same micro-batch (FSDPEngine broadcasts it; see docs/troubleshooting.md)"
+    )

@@ -66,7 +66,7 @@ def install() -> InstallReport:
     with _lock:
         if _report is not None:
             return _report
-        from . import plans
+        from . import plans, scope_hooks
         from .patches import ALL_PATCHES
 
         version = check_supported()
@@ -81,7 +81,9 @@ def install() -> InstallReport:
                     PatchStatus(patch.NAME, result.needed, result.reason, patch.AFFECTED, patch.UPSTREAM)
                 )
             plan_statuses = plans.attach()
+            scope_hooks.install()
         except Exception:
+            scope_hooks.uninstall()
             plans.detach()
             for patch in reversed(ALL_PATCHES):
                 patch.revert()
@@ -125,9 +127,10 @@ def uninstall() -> None:
                     "inside diffusers; fix: model.reset_attention_backend() (or set_attention_backend('native')) "
                     "on those models first, or drop them (del model), then uninstall()"
                 )
-        from . import plans
+        from . import plans, scope_hooks
         from .patches import ALL_PATCHES
 
+        scope_hooks.uninstall()
         plans.detach()
         for patch in reversed(ALL_PATCHES):
             patch.revert()

@@ -15,10 +15,12 @@ attention backward of that chunk evaluated at the *global* ``o, lse`` (softmax p
 ``exp(q k_j^T scale + mask - lse)``, ``D = rowsum(do * o)``), so ``dq`` sums over chunks locally and
 ``dk_j, dv_j`` ride around the ring with their chunk and arrive home after one more hop.
 
-Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its backward) returns the
-log-sum-exp; elsewhere a plain-math kernel (fp32 scores, O(S_q/R x S_kv/R) per chunk) keeps the result
-exact on any device. Communication is point-to-point (``batch_isend_irecv``), started before each
-chunk's compute so the transfer overlaps it.
+Kernels (``sp_diffusers.kernels``): on CPU ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA the
+fused flash / efficient kernels (forward and backward per chunk), all returning the log-sum-exp: no score
+matrix. Which keys of a chunk a causal query row sees is integer arithmetic on the segment offsets, so the
+ring decides on the host which chunks to skip and which run with the kernel's own causal flag, without
+reading a tensor: no host sync per chunk. Communication is point-to-point (``batch_isend_irecv``), started
+before each chunk's compute so the transfer overlaps it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from .kernels import additive_mask, attention_backward, attention_forward
 
 __all__ = ["ring_attention"]
 
@@ -37,34 +41,36 @@ def _chunk_mask(
     mask: torch.Tensor | None,
     start: int,
     length: int,
-    causal_rows: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor | None, bool]:
-    """The additive mask of the K/V chunk holding keys ``[start, start + length)`` (``None`` = attend to all)
-    and whether anything is visible.
+    q_start: int,
+    q_len: int,
+    is_causal: bool,
+    like: torch.Tensor,
+) -> tuple[torch.Tensor | None, bool, bool]:
+    """``(mask, causal, visible)`` for the K/V chunk holding keys ``[start, start + length)``.
 
-    ``mask`` is ``[b, h, q, k]`` over the whole key range (k = 1 broadcasts); bool masks become additive
-    because the CPU flash kernel takes masks of the query's dtype.
+    ``mask`` is the additive ``[b, h, q, k]`` mask over the whole key range (k = 1 broadcasts), sliced to the
+    chunk. Causal visibility is decided from the offsets alone (query rows ``[q_start, q_start + q_len)``
+    see keys ``<=`` their position): a chunk wholly after the last row is skipped, one wholly before the first
+    row is unmasked, the chunk that starts with the rows runs with the kernel's own causal flag (top-left
+    aligned), and any other overlap gets an explicit mask (``like``'s dtype and device). No tensor is read on
+    the host.
     """
     if mask is not None and mask.shape[-1] != 1:
         mask = mask[..., start : start + length]
-    if causal_rows is not None:
-        cols = torch.arange(start, start + length, device=causal_rows.device)
-        allowed = cols[None, :] <= causal_rows[:, None]  # [q, k]
-        if not bool(allowed.any()):
-            return None, False
-        if bool(allowed.all()):
-            return None, True
-        mask = allowed[None, None]
-    if mask is None:
-        return None, True
-    if mask.dtype == torch.bool:
-        if not bool(mask.any()):
-            return None, False
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, _NEG_INF)
-    else:
-        mask = mask.to(dtype)
-    return mask, True
+    if not is_causal:
+        return mask, False, True
+    last_row = q_start + q_len - 1
+    if start > last_row or length == 0:
+        return None, False, False
+    if start + length - 1 <= q_start:
+        return mask, False, True
+    if start == q_start:
+        return mask, True, True
+    rows = torch.arange(q_start, q_start + q_len, device=like.device)
+    cols = torch.arange(start, start + length, device=like.device)
+    causal = torch.zeros((q_len, length), dtype=like.dtype, device=like.device)
+    causal.masked_fill_(cols[None, :] > rows[:, None], _NEG_INF)
+    return causal[None, None] if mask is None else mask + causal, False, True
 
 
 class _Chunks:
@@ -81,63 +87,6 @@ class _Chunks:
         return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
 
 
-def _use_cpu_flash(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
-
-
-def _kernel_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, H, q, D] x [B, H, k, D] -> (out [B, H, q, D], lse [B, H, q] fp32)``; fully masked rows: lse -inf."""
-    if _use_cpu_flash(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=mask, scale=scale
-        )
-        lse = lse.float()
-        if mask is not None:
-            # The CPU kernel reports lse 0 (not -inf) for a row whose keys are all masked; in a merge that
-            # would count as mass, so mark such rows empty.
-            empty = torch.isneginf(mask).all(-1)  # [b, h, q] broadcast to lse
-            if bool(empty.any()):
-                lse = lse.masked_fill(empty.expand_as(lse), _NEG_INF)
-        return out, lse
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores + mask.float()
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
-    return torch.matmul(probs, v.float()).to(q.dtype), lse
-
-
-def _kernel_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one chunk at the global ``out``/``lse`` (rows with lse -inf must carry lse 0 here)."""
-    if _use_cpu_flash(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale
-        )
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), dout.float()
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores + mask.float()
-    probs = torch.exp(scores - lse[..., None])
-    dv = torch.matmul(probs.transpose(-1, -2), dof)
-    dprobs = torch.matmul(dof, vf.transpose(-1, -2))
-    delta = (dof * out.float()).sum(-1, keepdim=True)
-    dscores = probs * (dprobs - delta) * scale
-    dq = torch.matmul(dscores, kf)
-    dk = torch.matmul(dscores.transpose(-1, -2), qf)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 class _Ring:
     """Double-buffered neighbour exchange: send to ``r + 1``, receive from ``r - 1`` (ring order)."""
 
@@ -147,11 +96,13 @@ class _Ring:
         self.next = dist.get_global_rank(group, (rank + 1) % size)
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor) -> list:
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group),
-        ]
+    def start(self, send: torch.Tensor, recv: torch.Tensor, *more: torch.Tensor) -> list:
+        """Send ``send`` on and receive ``recv`` (and each further ``(send, recv)`` pair) in one batch."""
+        ops = []
+        pairs = [(send, recv), *zip(more[::2], more[1::2], strict=True)]
+        for out, into in pairs:
+            ops.append(dist.P2POp(dist.isend, out, self.next, self.group))
+            ops.append(dist.P2POp(dist.irecv, into, self.prev, self.group))
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -173,10 +124,14 @@ class _RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup,
         kv_sizes: list[int] | None,
         q_start: int,
+        kv_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         q_len, kv_len = q.shape[2], k.shape[2]
-        causal_rows = torch.arange(q_len, device=q.device) + q_start if is_causal else None
+        mask = additive_mask(mask, q.dtype)
+        # a key mask of this rank's K/V segment travels with it; every segment's is kept for backward (O(S))
+        chunk_masks: list[torch.Tensor | None] = [None] * size
+        travelling = additive_mask(kv_mask, q.dtype).contiguous() if kv_mask is not None else None
         chunks = _Chunks(kv_sizes, size, kv_len)
         ring = _Ring(group)
         kv = torch.stack([k, v])  # one buffer per hop: [2, B, H, S_kv/R, D]
@@ -190,12 +145,23 @@ class _RingAttention(torch.autograd.Function):
             chunk = (rank - step) % size
             if chunks.uneven:
                 spare = chunks.buffer_like(kv, (chunk - 1) % size)
-            requests = ring.start(kv, spare) if step < size - 1 else []
-            chunk_mask, visible = _chunk_mask(
-                mask, chunks.starts[chunk], chunks.sizes[chunk], causal_rows, q.dtype
+            pair: tuple[torch.Tensor, ...] = ()
+            if travelling is not None:
+                chunk_masks[chunk] = travelling
+                incoming = travelling.new_empty((*travelling.shape[:-1], chunks.sizes[(chunk - 1) % size]))
+                pair = (travelling, incoming)
+            requests = ring.start(kv, spare, *pair) if step < size - 1 else []
+            chunk_mask, causal, visible = _chunk_mask(
+                mask if travelling is None else travelling,
+                0 if travelling is not None else chunks.starts[chunk],
+                chunks.sizes[chunk],
+                q_start - (chunks.starts[chunk] if travelling is not None else 0),
+                q_len,
+                is_causal,
+                q,
             )
             if visible:
-                o_j, lse_j = _kernel_forward(q, kv[0], kv[1], chunk_mask, scale)
+                o_j, lse_j, _ = attention_forward(q, kv[0], kv[1], chunk_mask, scale, causal)
                 new_lse = torch.logaddexp(lse, lse_j)
                 # rows that saw no key yet keep lse -inf; exp(-inf - -inf) would be nan, so guard the shift
                 shift = torch.where(torch.isneginf(new_lse), 0.0, new_lse)
@@ -204,22 +170,25 @@ class _RingAttention(torch.autograd.Function):
                 lse = new_lse
             _Ring.wait(requests)
             kv, spare = spare, kv
+            if pair:
+                travelling = pair[1]
         # A row that sees no key at all: output 0 (as SDPA's CPU kernels give), lse 0 so backward is finite.
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []))
+        kept = [m for m in chunk_masks if m is not None]
+        ctx.save_for_backward(q, k, v, out, lse, *([mask] if mask is not None else []), *kept)
         ctx.has_mask, ctx.scale, ctx.is_causal, ctx.group = mask is not None, scale, is_causal, group
-        ctx.kv_sizes, ctx.q_start = kv_sizes, q_start
+        ctx.kv_sizes, ctx.q_start, ctx.travelled = kv_sizes, q_start, bool(kept)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse, *rest = ctx.saved_tensors
         mask = rest[0] if ctx.has_mask else None
+        chunk_masks = rest[int(ctx.has_mask) :] if ctx.travelled else None
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         q_len, kv_len = q.shape[2], k.shape[2]
-        causal_rows = torch.arange(q_len, device=q.device) + ctx.q_start if ctx.is_causal else None
         chunks = _Chunks(ctx.kv_sizes, size, kv_len)
         ring = _Ring(group)
         kv, kv_spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
@@ -233,11 +202,24 @@ class _RingAttention(torch.autograd.Function):
                 kv_spare = chunks.buffer_like(kv, (chunk - 1) % size)
                 dkv_spare = chunks.buffer_like(dkv, (chunk - 1) % size)
             requests = ring.start(kv, kv_spare) if step < size - 1 else []
-            chunk_mask, visible = _chunk_mask(
-                mask, chunks.starts[chunk], chunks.sizes[chunk], causal_rows, q.dtype
-            )
+            if chunk_masks is not None:  # the segment masks kept in forward: nothing travels again
+                chunk_mask, causal, visible = _chunk_mask(
+                    chunk_masks[chunk],
+                    0,
+                    chunks.sizes[chunk],
+                    ctx.q_start - chunks.starts[chunk],
+                    q_len,
+                    ctx.is_causal,
+                    q,
+                )
+            else:
+                chunk_mask, causal, visible = _chunk_mask(
+                    mask, chunks.starts[chunk], chunks.sizes[chunk], ctx.q_start, q_len, ctx.is_causal, q
+                )
             if visible:
-                dq_j, dk_j, dv_j = _kernel_backward(dout, q, kv[0], kv[1], out, lse, chunk_mask, ctx.scale)
+                dq_j, dk_j, dv_j = attention_backward(
+                    dout, q, kv[0], kv[1], out, lse, chunk_mask, ctx.scale, causal
+                )
                 dq += dq_j
                 dkv[0] += dk_j
                 dkv[1] += dv_j
@@ -247,7 +229,18 @@ class _RingAttention(torch.autograd.Function):
             _Ring.wait(dkv_requests)
             kv, kv_spare = kv_spare, kv
             dkv, dkv_spare = dkv_spare, dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return (
+            dq.to(q.dtype),
+            dkv[0].to(k.dtype),
+            dkv[1].to(v.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def ring_attention(
@@ -260,6 +253,7 @@ def ring_attention(
     scale: float | None = None,
     kv_sizes: list[int] | None = None,
     q_start: int | None = None,
+    kv_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's query segment over every rank's K/V segment, streamed around a ring.
 
@@ -270,7 +264,14 @@ def ring_attention(
 
     Segments may differ in length: ``kv_sizes`` lists every ring rank's K/V length (None: all equal) and
     ``q_start`` is the global position of this rank's first query (default ``rank * S_q/R``).
+
+    ``kv_mask`` (instead of ``attn_mask``): a key mask ``[b, 1, 1, S_kv/R]`` of this rank's own K/V segment
+    (bool or additive), which travels around the ring with its segment - no mask is gathered.
     """
+    if kv_mask is not None and attn_mask is not None:
+        raise ValueError(
+            "ring_attention takes attn_mask (over every key) or kv_mask (this segment's), not both"
+        )
     if key.shape != value.shape:
         raise ValueError(
             f"ring_attention needs key and value of one shape (they travel as one buffer), got "
@@ -286,5 +287,5 @@ def ring_attention(
     if q_start is None:
         q_start = dist.get_rank(group) * query.shape[2]
     return _RingAttention.apply(
-        query, key, value, attn_mask, float(scale), bool(is_causal), group, kv_sizes, int(q_start)
+        query, key, value, attn_mask, float(scale), bool(is_causal), group, kv_sizes, int(q_start), kv_mask
     )

@@ -1,4 +1,9 @@
-"""Run a function on N real processes (gloo, spawn), collect what each rank returns, never hang.
+"""Run a function on N real processes (gloo), collect what each rank returns, never hang.
+
+Ranks start from a fork server that has imported torch, diffusers and transformers once (a fresh interpreter
+spends seconds importing them, and the suite starts hundreds of ranks); each rank is still its own process,
+with no process group, no installed patches and the environment of the test that starts it. A rank that must
+import another diffusers (``sys_path``) starts from a fresh interpreter instead (spawn).
 
 The backend and device come from the environment (``SP_TEST_BACKEND``, ``SP_TEST_DEVICE``; gloo and the CPU
 by default, which is what CI runs): see :func:`backend_and_device`.
@@ -46,11 +51,24 @@ def rank_device():
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
 
 
+# What the fork server imports before it forks ranks: only libraries (no sp_diffusers, no state); lazy
+# diffusers classes are resolved so that a rank finds them imported.
+PRELOAD = "tests._preload"
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([PRELOAD])
+    return ctx
+
+
 def _child(
     rank: int, world: int, init_file: str, target: str, args: tuple, sys_path: Sequence[str], env: dict, q
 ) -> None:
     for p in reversed(sys_path):
         sys.path.insert(0, p)
+    # a forked rank has the fork server's environment: take the starting test's, as a spawned rank would
+    os.environ.clear()
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -97,15 +115,15 @@ def run_distributed(
     sys_path: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``target(rank, world_size, *args)`` on ``world_size`` spawned processes; return per-rank results."""
-    ctx = mp.get_context("spawn")
+    """Run ``target(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results."""
+    ctx = mp.get_context("spawn") if sys_path else _context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
             ctx.Process(
                 target=_child,
-                args=(r, world_size, init_file, target, args, list(sys_path), dict(env or {}), q),
+                args=(r, world_size, init_file, target, args, list(sys_path), {**os.environ, **(env or {})}, q),
                 daemon=True,
             )
             for r in range(world_size)

@@ -117,6 +117,10 @@ class FSDPEngine:
                     ulysses_degree=ulysses, ring_degree=ring, mesh=self.mesh
                 )
             )
+            # The engine's inputs are broadcast from the SP group's first rank (prepare_batch) or made from
+            # them by the same code on every rank, so their lengths agree by construction: the backend's
+            # per-forward agreement (a collective and a host sync) is redundant. debug_checks checks every call.
+            sp_diffusers.set_rank_agreement(model, "per_call" if s.debug_checks else "trusted")
         if s.activation_checkpointing:
             if not getattr(model, "_supports_gradient_checkpointing", False):
                 raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
@@ -227,9 +231,6 @@ class FSDPEngine:
 
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank)."""
-        # Inputs that went through prepare_batch are identical on every SP rank (broadcast from the group's
-        # first rank): this is where the attention backend's once-per-forward agreement of the ranks' lengths
-        # and flags may be skipped, when the backend offers that switch.
         return self.model(**inputs, return_dict=False)[0]
 
     def broadcast_in_sp_group(self, tensors: dict[str, Any]) -> dict[str, Any]:

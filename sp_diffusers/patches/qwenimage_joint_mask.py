@@ -56,7 +56,8 @@ def reorder_joint_mask(mask: torch.Tensor, text: list[int], image: list[int]) ->
 def apply() -> None:
     if _swaps.active:
         return
-    from sp_diffusers.cp_groups import cp_world, stream_sizes
+    from sp_diffusers.cp_groups import cp_world
+    from sp_diffusers.plans._joint import joint_sizes
 
     cls = _module().QwenDoubleStreamAttnProcessor2_0
     original = cls.__call__
@@ -67,8 +68,12 @@ def apply() -> None:
         mask = bound.arguments.get("attention_mask")
         config = getattr(self, "_parallel_config", None)
         if mask is not None and encoder_hidden_states is not None and cp_world(config) > 1:
-            text, image = stream_sizes(
-                config, [encoder_hidden_states.shape[1], hidden_states.shape[1]], hidden_states.device
+            # the plan splits both streams where they enter the first block: their sizes are on record
+            text, image = joint_sizes(
+                config,
+                [":encoder_hidden_states", ":hidden_states"],
+                [encoder_hidden_states.shape[1], hidden_states.shape[1]],
+                hidden_states.device,
             )
             if mask.shape[-1] == sum(text) + sum(image):
                 bound.arguments["attention_mask"] = reorder_joint_mask(mask, text, image)

@@ -55,9 +55,11 @@ class _GatherPieces(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup):  # type: ignore[override]
-        from sp_diffusers.comm import all_gather_along, gather_ints
+        from sp_diffusers.comm import all_gather_along
+        from sp_diffusers.forward_scope import piece_sizes
 
-        sizes = [row[0] for row in gather_ints([tensor.shape[dim]], group, tensor.device)]
+        # every rank's piece length: known to the model forward's scope (no collective), else exchanged
+        sizes = piece_sizes(group, tensor.shape[dim], tensor.device)
         rank = dist.get_rank(group)
         ctx.dim, ctx.start, ctx.length = dim, sum(sizes[:rank]), sizes[rank]
         return all_gather_along(tensor, dim, group, sizes)

@@ -5,7 +5,7 @@ Under a plan that splits a video (or image) stream of N tokens and a text stream
 over ``cat([first_r, second_r])`` and the Ulysses all-to-all concatenates those chunks in rank order, so keys
 arrive as ``[first_0, second_0, first_1, second_1, ...]``: not the single-process order ``[first, second]``.
 Ranks may hold different lengths of each stream (any sequence length): the helpers take every rank's
-lengths, which :func:`stream_sizes` gathers.
+lengths, which :func:`joint_sizes` reads from the forward's record of the plan's splits (no communication).
 """
 
 from __future__ import annotations
@@ -16,15 +16,36 @@ from typing import Any
 import torch
 
 from ..comm import to_all_to_all_order
-from ..cp_groups import stream_sizes
+from ..cp_groups import cp_groups, stream_sizes
+from ..forward_scope import stream_sizes as recorded_sizes
 
 __all__ = [
     "block_parallel_config",
     "bound_args",
-    "stream_sizes",
+    "joint_sizes",
     "text_key_mask",
     "to_all_to_all_order",
 ]
+
+
+def joint_sizes(config: Any, names: list[str], counts: list[int], device: torch.device) -> list[list[int]]:
+    """Every context-parallel rank's lengths of the plan's streams ``names`` (split names, see
+    ``sp_diffusers.scope_hooks``; ``counts`` = this rank's), one list per stream.
+
+    Read from the forward's record of its splits, where the plan split them: no communication. A stream the
+    record does not know (a call outside a plan-driven forward) is gathered instead: one collective and a
+    host sync, on every rank alike (the record is the same on every rank)."""
+    sizes = recorded_sizes(config, names)
+    if sizes is None:
+        return stream_sizes(config, counts, device)
+    rank = cp_groups(config).cp_rank
+    mine = [s[rank] for s in sizes]
+    if mine != list(counts):
+        raise ValueError(
+            f"sp_diffusers plan: this rank holds {counts} tokens of the streams {names}, but the plan split "
+            f"{mine}; a processor read the wrong split. Fix: report this with the model class"
+        )
+    return sizes
 
 
 def text_key_mask(

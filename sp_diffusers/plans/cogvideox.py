@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..cp_groups import cp_world
-from ._joint import stream_sizes, text_key_mask
+from ._joint import joint_sizes, text_key_mask
 from ._registry import register_plan, swap_processors
 
 __all__ = ["CogVideoXJointAttnProcessor"]
@@ -62,8 +62,11 @@ class CogVideoXJointAttnProcessor:
             mask = attn.prepare_attention_mask(attention_mask, length, batch)
             mask = mask.view(batch, attn.heads, -1, mask.shape[-1])
         elif encoder_hidden_states_mask is not None:
-            text_sizes, video_sizes = stream_sizes(
-                self._parallel_config, [text_local, video_local], hidden_states.device
+            text_sizes, video_sizes = joint_sizes(
+                self._parallel_config,
+                ["transformer_blocks.0:encoder_hidden_states", "transformer_blocks.0:hidden_states"],
+                [text_local, video_local],
+                hidden_states.device,
             )
             mask = text_key_mask(
                 encoder_hidden_states_mask, text_sizes, video_sizes, True, type(self).__name__

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..cp_groups import cp_groups, cp_world
-from ._joint import block_parallel_config, bound_args, stream_sizes, to_all_to_all_order
+from ._joint import block_parallel_config, bound_args, joint_sizes, to_all_to_all_order
 from ._registry import register_plan, swap_processors
 
 __all__ = ["HunyuanVideoJointAttnProcessor"]
@@ -47,8 +47,10 @@ class HunyuanVideoJointAttnProcessor:
             and encoder_hidden_states is not None
             and cp_world(self._parallel_config) > 1
         ):
-            video, text = stream_sizes(
+            # the streams split where they enter the first block (dual- or single-stream)
+            video, text = joint_sizes(
                 self._parallel_config,
+                [":hidden_states", ":encoder_hidden_states"],
                 [hidden_states.shape[1], encoder_hidden_states.shape[1]],
                 hidden_states.device,
             )
@@ -100,7 +102,7 @@ def _local_first_frame_tokens(block: torch.nn.Module, args: tuple, kwargs: dict)
     if rope is None or num_tokens is None:
         return None
     video_local = rope[0].shape[0]  # [N_r, D] after the plan's split of the RoPE module's output
-    (sizes,) = stream_sizes(block_parallel_config(block), [video_local], rope[0].device)
+    (sizes,) = joint_sizes(block_parallel_config(block), ["rope:0"], [video_local], rope[0].device)
     start = sum(sizes[: groups.cp_rank])
     local = min(max(int(num_tokens) - start, 0), video_local)
     index = names.index("num_tokens")

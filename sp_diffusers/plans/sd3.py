@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._joint import stream_sizes, text_key_mask
+from ._joint import joint_sizes, text_key_mask
 from ._registry import register_plan, swap_processors
 
 __all__ = ["SD3JointAttnProcessor"]
@@ -71,8 +71,11 @@ class SD3JointAttnProcessor:
             key = torch.cat([key, text_k], dim=1)
             value = torch.cat([value, text_v], dim=1)
             if encoder_hidden_states_mask is not None:
-                text_sizes, image_sizes = stream_sizes(
-                    self._parallel_config, [encoder_hidden_states.shape[1], image_tokens], query.device
+                text_sizes, image_sizes = joint_sizes(
+                    self._parallel_config,
+                    ["context_embedder:0", "pos_embed:0"],
+                    [encoder_hidden_states.shape[1], image_tokens],
+                    query.device,
                 )
                 mask = text_key_mask(
                     encoder_hidden_states_mask, text_sizes, image_sizes, False, type(self).__name__

@@ -293,7 +293,7 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
     """Ulysses x Ring on a (dp, ring, ulysses) mesh: every op case vs full-sequence SDPA.
 
     With a ring, each case runs twice: with the CPU flash kernel (its log-sum-exp) and with the
-    plain-math kernel other devices use ("math:" cases). K/V must stream: the all-gather is disabled
+    plain-math kernel of the dtypes no fused kernel takes ("math:" cases). K/V must stream: the all-gather is disabled
     while they run. Extra ring-only entries: bf16, and dropout (which takes the all-gather path).
     """
     from unittest import mock
@@ -301,8 +301,7 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     import sp_diffusers
-    from sp_diffusers import attention
-    from sp_diffusers import ring as ring_mod
+    from sp_diffusers import attention, kernels
 
     mesh = sp_diffusers.build_device_mesh(ulysses_degree=ulysses, ring_degree=ring)
     config = ParallelConfig(
@@ -320,7 +319,7 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
 
     with mock.patch.object(attention, "gather_seq", no_gather):
         results = _compare_cases(config, cp_rank, cp_world, kv_heads_multiple=ulysses)
-        with mock.patch.object(ring_mod, "_use_cpu_flash", lambda t: False):
+        with mock.patch.object(kernels, "kernel_for", lambda q, has_mask: "math"):
             math = _compare_cases(config, cp_rank, cp_world, kv_heads_multiple=ulysses)
     results.update({f"math:{name}": errs for name, errs in math.items()})
 
