@@ -38,7 +38,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
 fi
 echo "[vllm-omni] $("$VENV/bin/python" -c 'import importlib.metadata as m; print(*(f"{p} {m.version(p)}" for p in ("torch", "vllm", "vllm-omni", "diffusers")), sep=" | ")')"
 
-# sp-diffusers itself, editable from this checkout (its package-dir maps patches/ to sp_diffusers.patches)
+# sp-diffusers itself, editable from this checkout
 "$VENV/bin/python" -m pip install -q --no-deps "torch==2.13.0" -e .
 export OMP_NUM_THREADS=1
 work=$(mktemp -d)

@@ -37,9 +37,9 @@ def installed():
 
 def test_install_is_idempotent_and_reports(installed):
     import diffusers
-    from sp_diffusers.patches import ALL_PATCHES
 
     import sp_diffusers
+    from sp_diffusers.patches import ALL_PATCHES
 
     assert sp_diffusers.install() is installed
     text = str(installed)
@@ -83,9 +83,9 @@ def test_backend_is_a_real_enum_member(installed):
 
 def test_uninstall_reverts_everything():
     from diffusers.models.attention_dispatch import AttentionBackendName
-    from sp_diffusers.patches import ALL_PATCHES
 
     import sp_diffusers
+    from sp_diffusers.patches import ALL_PATCHES
 
     sp_diffusers.install()
     sp_diffusers.uninstall()
@@ -164,3 +164,67 @@ def test_user_registered_plan_is_attached_and_detached():
     finally:
         plans._registry._PLANS.pop("SanaTransformer2DModel", None)
         sp_diffusers.uninstall()
+
+
+def test_a_wheel_works_from_any_directory(tmp_path):
+    """`pip install .` (not editable), then use it from another directory and from the source tree, whose
+    own sp_diffusers/ comes first on sys.path there: both must find sp_diffusers.patches."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    src = tmp_path / "src"  # only what a build reads: the tree's build/ and egg-info stay untouched
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    shutil.copytree(root / "sp_diffusers", src / "sp_diffusers", ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True)
+    (wheel,) = (tmp_path / "dist").glob("sp_diffusers-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    patch_files = {f"sp_diffusers/patches/{p.name}" for p in (root / "sp_diffusers" / "patches").glob("*.py")}
+    assert len(patch_files) > 10 and patch_files <= names, sorted(patch_files - names)
+    assert {n.split("/")[0] for n in names} == {"sp_diffusers", wheel.name.split("-py3")[0] + ".dist-info"}
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "--target", site, wheel], check=True)
+
+    code = (
+        "import sys\n"
+        # the test environment's editable install would find sp_diffusers.patches by its own map: drop it
+        "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
+        "import sp_diffusers, sp_diffusers.patches as p\n"
+        "report = sp_diffusers.install()\n"
+        "assert any(s.applied for s in report.patches), str(report)\n"
+        "print(sp_diffusers.__file__, p.__file__, sep='\\n')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    for cwd, expected in ((tmp_path, site), (root, root)):  # `python -c` puts the working directory first
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, f"from {cwd}:\n{proc.stderr[-3000:]}"
+        package, patches = proc.stdout.split()
+        assert Path(package).is_relative_to(expected / "sp_diffusers"), (cwd, package)
+        assert Path(patches).is_relative_to(expected / "sp_diffusers" / "patches"), (cwd, patches)
+
+
+def test_cpu_device_count_probe_survives_a_cuda_build_without_a_driver(monkeypatch):
+    """PyPI's Linux torch is a CUDA build; on a host without the NVIDIA driver torch 2.7-2.10's
+    ``torch.accelerator.device_count()`` raises where 2.11+ return 0. Both are a CPU-only host."""
+    from sp_diffusers.compat import diffusers_version
+    from sp_diffusers.patches import cpu_device_count as patch
+
+    def no_driver() -> int:
+        raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU")
+
+    monkeypatch.setattr(torch.accelerator, "device_count", no_driver)
+    if diffusers_version().release[:2] != (0, 42):
+        pytest.skip("the defect's method exists on diffusers 0.42 only (tests/test_patches.py covers others)")
+    probe = patch.probe()
+    assert probe.needed and "CPU-only" in probe.reason, probe
+    with patch._cpu_counts_as_one_device():
+        assert torch.accelerator.device_count() == 1
+    with pytest.raises(RuntimeError, match="no NVIDIA driver"):  # restored afterwards
+        torch.accelerator.device_count()

@@ -1,6 +1,7 @@
 """The house rules of docs/architecture.md, read from the code's own imports: dependencies point one way
-(every import, lazy ones included, goes to a module on the same floor or below), no import circles among
-module-level imports, and no module past ~400 lines."""
+(every import, lazy ones included, goes to a module on the same floor or below), no import circles of any
+kind (module-level, type-only under ``TYPE_CHECKING``, and lazy imports inside functions all count), and no
+module past ~400 lines."""
 
 from __future__ import annotations
 
@@ -49,16 +50,12 @@ FLOORS = {
 EXCEPTIONS = {("sp_diffusers.patches.native_ulysses", "sp_diffusers.attention")}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for base, package in (
-        (ROOT / "sp_diffusers", "sp_diffusers"),
-        (ROOT / "patches", "sp_diffusers.patches"),
-    ):
-        for path in base.rglob("*.py"):
-            parts = path.relative_to(base).with_suffix("").parts
-            name = ".".join((package, *parts)).removesuffix(".__init__")
-            out[name] = path
+    base = root / "sp_diffusers"  # the patches too: sp_diffusers/patches/ (the top-level `patches` links there)
+    for path in base.rglob("*.py"):
+        parts = path.relative_to(base).with_suffix("").parts
+        out[".".join(("sp_diffusers", *parts)).removesuffix(".__init__")] = path
     return out
 
 
@@ -67,11 +64,11 @@ def _floor(name: str) -> int:
     return FLOORS[best]
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, bool]]:
-    """(imported sp_diffusers module, imported at module level outside TYPE_CHECKING)."""
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Every sp_diffusers module ``name`` imports: at module level, under TYPE_CHECKING, or inside a function."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found: list[tuple[str, bool]] = []
+    found: list[str] = []
 
     def resolve(node: ast.ImportFrom) -> list[str]:
         if node.level:
@@ -84,36 +81,39 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str,
         targets += [f"{prefix}.{a.name}" for a in node.names]
         return [t for t in targets if t in modules]
 
-    def visit(node: ast.AST, top: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            if isinstance(child, ast.ImportFrom):
-                found.extend((t, top) for t in resolve(child))
-            elif isinstance(child, ast.Import):
-                found.extend((a.name, top) for a in child.names if a.name in modules)
-            visit(child, inner)
-
-    visit(tree, True)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found.extend(resolve(node))
+        elif isinstance(node, ast.Import):
+            found.extend(a.name for a in node.names if a.name in modules)
     return found
 
 
-def test_dependencies_point_down_and_there_are_no_circles():
-    modules = _modules()
+def _graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
+    """(import graph, the imports that point up a floor)."""
+    modules = _modules(root)
     upward = []
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        for target, top in _imports(name, path, modules):
+        for target in _imports(name, path, modules):
             if target == name:
                 continue
             if _floor(target) > _floor(name) and (name, target) not in EXCEPTIONS:
                 upward.append(f"{name} (floor {_floor(name)}) imports {target} (floor {_floor(target)})")
-            # a package importing its own submodules at import time is its face, not a circle
-            if top and not target.startswith(name + "."):
+            # a package importing its own submodules is its face, not a circle
+            if not target.startswith(name + "."):
                 graph.setdefault(name, set()).add(target)
-    assert not upward, "imports that point up:\n" + "\n".join(upward)
+    return graph, upward
 
+
+def test_dependencies_point_down_and_there_are_no_circles():
+    graph, upward = _graph()
+    assert not upward, "imports that point up:\n" + "\n".join(upward)
+    cycles = _cycles(graph)
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
     cycles, state = [], {}
 
     def walk(node: str, stack: list[str]) -> None:
@@ -128,7 +128,28 @@ def test_dependencies_point_down_and_there_are_no_circles():
     for node in sorted(graph):
         if node not in state:
             walk(node, [node])
-    assert not cycles, "import circles:\n" + "\n".join(cycles)
+    return cycles
+
+
+def test_type_only_and_lazy_circles_are_circles(tmp_path):
+    files = {
+        "__init__.py": "",
+        "engine/__init__.py": "from .a import A\n",  # the package's face: not a circle
+        "engine/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nclass A: ...\n",
+        "engine/b.py": "from .a import A\nclass B: ...\n",
+        "engine/c.py": "def f():\n    from . import d\n",
+        "engine/d.py": "from .c import f\n",
+    }
+    for relative, text in files.items():
+        path = tmp_path / "sp_diffusers" / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    graph, upward = _graph(tmp_path)
+    assert not upward
+    assert sorted(_cycles(graph)) == [
+        "sp_diffusers.engine.a -> sp_diffusers.engine.b -> sp_diffusers.engine.a",
+        "sp_diffusers.engine.c -> sp_diffusers.engine.d -> sp_diffusers.engine.c",
+    ]
 
 
 def test_every_module_is_small():

@@ -122,6 +122,63 @@ def test_verl_omni_patches_probe_defect_and_fix(version):
         assert "verl_omni_qwen_mask" not in c
 
 
+# ----------------------------------------------------------------------- verl-omni after its PR #497
+
+_PROBES = """
+import importlib, json, sys
+import sp_diffusers
+out = {}
+for label, root in (("a1139ba", sys.argv[1]), ("after_497", sys.argv[2])):
+    sys.path.insert(0, root)
+    importlib.invalidate_caches()
+    report = sp_diffusers.install()
+    out[label] = {p.name: [p.applied, p.reason] for p in report.patches if p.name.startswith("verl_omni_")}
+    if label == "after_497":  # its models package imports no mask patch, and the model's forward stays diffusers'
+        import verl_omni.models  # noqa: F401
+        from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel as M
+        out["forward_is_diffusers"] = M.forward.__module__ == M.__module__
+        out["mask_module_imported"] = "verl_omni.models.diffusers.qwen_image" in sys.modules
+    sp_diffusers.uninstall()
+    sys.path.remove(root)
+print(json.dumps(out))
+"""
+
+
+def test_patches_stay_idle_where_verl_omni_fixed_the_defect(tmp_path):
+    """verl-omni's PR #497 deleted its Qwen-Image mask patch and raised its floor to diffusers 0.40: there
+    ``verl_omni_qwen_mask`` and ``verl_omni_min_diffusers`` must find nothing to do (their probes read
+    verl-omni's installed source and diffusers), while on a1139ba the mask patch is gated as before."""
+    import json
+    import subprocess
+
+    roots = [str(verl_omni_fake.write(tmp_path / "a1139ba")), str(tmp_path / "after_497")]
+    verl_omni_fake.write(roots[1], verl_omni_fake.AFTER_PR_497)
+    procs = {
+        version: subprocess.Popen(
+            [sys.executable, "-c", _PROBES, *roots],
+            env={**__import__("os").environ, "PYTHONPATH": ":".join(sys_path_for(version))},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for version in ("0.40.0", "0.42.1")  # verl-omni's floor after #497, and the newest
+    }
+    for version, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{version}: {stderr[-3000:]}"
+        r = json.loads(stdout.splitlines()[-1])
+        before, after = r["a1139ba"], r["after_497"]
+        assert before["verl_omni_qwen_mask"][0], before  # a1139ba: gated (0.39+ refuse its external mask)
+        assert not after["verl_omni_qwen_mask"][0]
+        assert "has no apply_qwen_image_ulysses_mask_fix" in after["verl_omni_qwen_mask"][1]
+        for label in ("a1139ba", "after_497"):  # diffusers >= 0.38 takes mesh=: verl-omni's floor holds
+            assert not r[label]["verl_omni_min_diffusers"][0]
+            assert "mesh=" in r[label]["verl_omni_min_diffusers"][1]
+        # the two defects still in the stand-in are still fixed (each probe reads the source it patches)
+        assert after["verl_omni_attn_backend"][0] and after["verl_omni_cpu_engine"][0]
+        assert r["forward_is_diffusers"] and not r["mask_module_imported"]
+
+
 # ------------------------------------------------------------------------------------- the import hook
 
 

@@ -6,8 +6,8 @@ verl model config with the same field names), ``FSDPEngineConfig`` (the layout: 
 This module reads them once into :class:`~sp_diffusers.engine.EngineSettings`; every setting verl has that
 sp-diffusers cannot honour is refused with the verl key, the value and the fix.
 
-(The CLI's verl-style hydra overrides, ``sp-diffusers train actor_rollout_ref...=...``, are in
-``verl_overrides.py``; ``translate_overrides`` is still importable from here.)
+The CLI's verl-style hydra overrides (``sp-diffusers train actor_rollout_ref...=...``) are
+``verl_overrides.py``'s, which reads the keys defined here; nothing here imports it back.
 """
 
 from __future__ import annotations
@@ -249,11 +249,3 @@ def verl_configs(settings: EngineSettings, module: torch.nn.Module) -> tuple[Any
     )
     return model_config, engine_config, optimizer_config
 
-
-def __getattr__(name: str) -> Any:
-    # the CLI's hydra overrides lived here before verl_overrides.py: keep the old import path working
-    if name in ("translate_overrides", "VERL_KEYS", "VerlPlan"):
-        from . import verl_overrides
-
-        return getattr(verl_overrides, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

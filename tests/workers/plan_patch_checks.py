@@ -86,6 +86,7 @@ def check_plan_optional_inputs(world: int) -> dict:
     """A call without the optional text masks its plan names: LTX-2 (with the ``ltx2_plan`` fix, 0.37+), or
     Qwen-Image at 0.36, whose plan splits ``encoder_hidden_states_mask`` at the root."""
     import diffusers
+
     from sp_diffusers.patches import plan_optional_inputs as patch
 
     if getattr(diffusers, "LTX2VideoTransformer3DModel", None) is None:

@@ -250,10 +250,28 @@ FILES = {
 }
 
 
-def write(root: str | Path) -> Path:
-    """Write the stand-in package as ``root/verl_omni``; returns ``root`` (the folder for sys.path)."""
+# verl-omni after its PR #497 (floors diffusers >= 0.40, transformers >= 5.13): the Qwen-Image mask patch is
+# deleted (diffusers#13756 fixed the defect in 0.39), ``verl_omni.models`` is a docstring, and the pipeline
+# lookup applies nothing. The rest is left as above (not verified against that source).
+AFTER_PR_497 = {
+    **{k: v for k, v in FILES.items() if not k.startswith("models/diffusers/")},
+    "models/__init__.py": '"""Model packages (the diffusers patches were dropped at the diffusers>=0.40 floor)."""\n',
+    "pipelines/model_base.py": _MODEL_BASE.replace(
+        """        if model_config.architecture in {"QwenImagePipeline", "QwenImageEditPlusPipeline"}:
+            from verl_omni.models.diffusers.qwen_image import apply_qwen_image_ulysses_mask_fix
+
+            apply_qwen_image_ulysses_mask_fix()
+""",
+        "",
+    ),
+}
+
+
+def write(root: str | Path, files: dict[str, str] = FILES) -> Path:
+    """Write the stand-in package (``FILES``: verl-omni a1139ba; ``AFTER_PR_497``) as ``root/verl_omni``;
+    returns ``root`` (the folder for sys.path)."""
     root = Path(root)
-    for relative, text in FILES.items():
+    for relative, text in files.items():
         path = root / "verl_omni" / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

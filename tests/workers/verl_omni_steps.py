@@ -186,13 +186,14 @@ def _expect_error(fn) -> str | None:
 def _controls(model_dir: str, sp: int, data: dict, ref_grads: dict) -> dict:
     """Each verl-omni patch this version needs: the defect without it, then the patch re-applied (now on a
     module already imported) fixes it."""
+    from verl.workers.engine.base import EngineRegistry
+
     from sp_diffusers.patches import (
         verl_omni_attn_backend,
         verl_omni_cpu_engine,
         verl_omni_min_diffusers,
         verl_omni_qwen_mask,
     )
-    from verl.workers.engine.base import EngineRegistry
 
     out: dict = {}
 

@@ -7,6 +7,9 @@ Affected: diffusers 0.42.x (the method first appears there; 0.36-0.41 ask ``torc
 which counts the CPU as one device). Upstream: no issue filed as of 2026-11.
 Fix: while that method runs on a host without an accelerator, ``torch.accelerator.device_count()``
 reports 1 (the CPU), which is what older releases computed.
+A CUDA build of torch on a host without the NVIDIA driver (a CPU login node, a CI runner: PyPI's Linux x86_64
+torch is such a build) has no accelerator either; there torch 2.7-2.10's ``device_count()`` raises ("Found
+no NVIDIA driver on your system") where 2.11+ return 0: both count as 0 here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,14 @@ def _target():
     return ModelMixin, getattr(ModelMixin, "_resolve_parallel_config", None)
 
 
+def _device_count(count=None) -> int:
+    """``torch.accelerator.device_count()`` (or ``count()``); 0 where it raises: a CUDA build without a driver."""
+    try:
+        return (count or torch.accelerator.device_count)()
+    except RuntimeError:
+        return 0
+
+
 def probe() -> Probe:
     _, fn = _target()
     if fn is None:
@@ -39,7 +50,7 @@ def probe() -> Probe:
         )
     if "torch.accelerator.device_count()" not in inspect.getsource(fn):
         return Probe(False, "_resolve_parallel_config does not divide by torch.accelerator.device_count()")
-    count = torch.accelerator.device_count()
+    count = _device_count()
     if count > 0:
         return Probe(False, f"this host has {count} accelerator(s)")
     return Probe(True, "rank % torch.accelerator.device_count() divides by zero on this CPU-only host")
@@ -48,7 +59,7 @@ def probe() -> Probe:
 @contextlib.contextmanager
 def _cpu_counts_as_one_device():
     original = torch.accelerator.device_count
-    torch.accelerator.device_count = lambda: max(1, original())
+    torch.accelerator.device_count = lambda: max(1, _device_count(original))
     try:
         yield
     finally:

@@ -9,6 +9,9 @@ Fix: ``ContextParallelConfig(..., mesh=mesh)`` is accepted as on 0.38 (the const
 on the config; so does ``sp_diffusers.context_parallel_config(..., mesh=mesh)``), so code written for
 0.38+ (verl-omni's engine, for one) runs unchanged; inside ``enable_parallelism`` diffusers' own mesh
 construction returns that mesh's ``("ring", "ulysses")`` sub-mesh, which is then what ``setup`` flattens.
+``setup`` also slices ``"ring"`` and ``"ulysses"`` out of that sub-mesh, which torch 2.7's DeviceMesh refuses
+("Cannot create a submesh from a submesh", pytorch#143194; later releases allow it): those two come from the
+shared mesh itself, the same process groups.
 """
 
 from __future__ import annotations
@@ -46,6 +49,35 @@ def _init_device_mesh_returns(sub_mesh):
         yield
     finally:
         device_mesh_module.init_device_mesh = original
+
+
+class _SlicedFromRoot:
+    """The ``(ring, ulysses)`` sub-mesh as diffusers' ``setup`` uses it: flattened as itself, its single dims
+    sliced from the shared mesh (every torch slices a root mesh; torch 2.7 refuses to slice a sub-mesh)."""
+
+    def __init__(self, sub_mesh, root_mesh) -> None:
+        self._sub, self._root = sub_mesh, root_mesh
+
+    def _flatten(self, *args, **kwargs):
+        return self._sub._flatten(*args, **kwargs)
+
+    def __getitem__(self, name):
+        return self._root[name]
+
+
+def _setup_slices_from_root(config_cls) -> None:
+    original = vars(config_cls)["setup"]
+
+    def setup(self, rank, world_size, device, mesh):
+        root = getattr(self, INJECTED_MESH_ATTR, None)
+        if root is None:
+            return original(self, rank, world_size, device, mesh)
+        original(self, rank, world_size, device, _SlicedFromRoot(mesh, root))
+        self._mesh = mesh  # what diffusers keeps: the (ring, ulysses) sub-mesh
+        return None
+
+    setup.__wrapped__ = original  # type: ignore[attr-defined]
+    _swaps.set(config_cls, "setup", setup)
 
 
 def check_mesh(mesh, ulysses_degree: int, ring_degree: int) -> None:
@@ -89,6 +121,7 @@ def apply() -> None:
     from diffusers.models.modeling_utils import ModelMixin
 
     _accept_mesh_in_constructor(ContextParallelConfig)
+    _setup_slices_from_root(ContextParallelConfig)
 
     original = ModelMixin.enable_parallelism
 
