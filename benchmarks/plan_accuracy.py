@@ -237,8 +237,8 @@ def plot(rows: list[dict], path: str) -> None:
 def long_run(tokens: int) -> dict:
     """Item 3: forward + backward + step at ``tokens`` with SP = 2 and checkpointing on the 2 CPU ranks, against
     the prediction and against the predicted one-process peak at the same length."""
-    row = _point(tokens, 2, True, False)
-    one = predict(tokens, 1, True, False)
+    row = _point(tokens, 2, True, False, LONG)
+    one = predict(tokens, 1, True, False, LONG)
     row["predicted_one_process_peak"] = one["peak"]
     row["measured_over_one_process"] = max(r["tracker_peak"] for r in row["ranks"]) / one["peak"]
     print(
