@@ -27,10 +27,8 @@ mkdir -p "$STAGE/site"
 if [ -n "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$STAGE/site" "$WHEELS"/*.whl
 fi
-# sp_diffusers laid out as it installs: the top-level patches/ is its sp_diffusers.patches
+# sp_diffusers as it installs (its patches are sp_diffusers/patches/ in the tree too)
 cp -r sp_diffusers "$STAGE/site/sp_diffusers"
-rm -rf "$STAGE/site/sp_diffusers/patches"
-cp -r patches "$STAGE/site/sp_diffusers/patches"
 export PYTHONPATH="$STAGE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 "$PY" scripts/gpu_check.py ${args[@]+"${args[@]}"}
