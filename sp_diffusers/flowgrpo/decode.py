@@ -9,11 +9,12 @@ SD3 and Wan pass them as they are) and how the decoded tensor is laid out for re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PixelDecoder", "denormalize", "unpack_2x2"]
+__all__ = ["PackedTokens", "PixelDecoder", "denormalize", "unpack_2x2"]
 
 
 def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
@@ -24,6 +25,27 @@ def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         raise ValueError(f"unpack_2x2: tokens of shape {tuple(tokens.shape)} do not fill a {grid_h} x {grid_w} grid of 2x2 patches")
     x = tokens.reshape(b, grid_h, grid_w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c4 // 4, 2 * grid_h, 2 * grid_w)
+
+
+@dataclass(frozen=True)
+class PackedTokens:
+    """The latent geometry Qwen-Image and FLUX.1 share: each 2 x 2 patch of the VAE latents is one token,
+    ``[B, grid_h * grid_w, channels]``; the rewards read the tokens as they are."""
+
+    grid_h: int
+    grid_w: int
+    channels: int
+
+    @property
+    def tokens(self) -> int:
+        return self.grid_h * self.grid_w
+
+    def latent_shape(self, batch: int) -> tuple[int, int, int]:
+        return (batch, self.tokens, self.channels)
+
+    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents as ``[B, L, C]`` tokens (what the built-in rewards read)."""
+        return latents
 
 
 def denormalize(vae: Any, z: torch.Tensor) -> torch.Tensor:

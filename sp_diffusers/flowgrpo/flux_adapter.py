@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .decode import unpack_2x2
+from .decode import PackedTokens, unpack_2x2
 
 __all__ = ["FluxAdapter", "flux_adapter"]
 
@@ -32,22 +32,9 @@ def _fixed_length(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> torc
 
 
 @dataclass(frozen=True)
-class FluxAdapter:
-    grid_h: int
-    grid_w: int
-    channels: int
+class FluxAdapter(PackedTokens):
     text_len: int
     guidance: float | None  # None: the model has no guidance embedding (FLUX.1-schnell)
-
-    @property
-    def tokens(self) -> int:
-        return self.grid_h * self.grid_w
-
-    def latent_shape(self, batch: int) -> tuple[int, int, int]:
-        return (batch, self.tokens, self.channels)
-
-    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
 
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return unpack_2x2(latents, self.grid_h, self.grid_w)

@@ -14,31 +14,17 @@ from typing import Any
 
 import torch
 
-from .decode import unpack_2x2
+from .decode import PackedTokens, unpack_2x2
 from .flux_adapter import FluxAdapter, flux_adapter
 
 __all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
 
 
 @dataclass(frozen=True)
-class QwenImageAdapter:
+class QwenImageAdapter(PackedTokens):
     """``QwenImageTransformer2DModel``: tokens ``[B, (H/2)(W/2), 4 C]``; the pipeline passes ``timestep / 1000``."""
 
-    grid_h: int
-    grid_w: int
-    channels: int
     needs_txt_seq_lens: bool = False  # diffusers 0.36 sizes the text RoPE from txt_seq_lens
-
-    @property
-    def tokens(self) -> int:
-        return self.grid_h * self.grid_w
-
-    def latent_shape(self, batch: int) -> tuple[int, int, int]:
-        return (batch, self.tokens, self.channels)
-
-    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents as ``[B, L, C]`` tokens (what the built-in rewards read)."""
-        return latents
 
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed tokens -> ``[B, C, 1, H, W]`` for ``AutoencoderKLQwenImage`` (one frame)."""
