@@ -166,6 +166,10 @@ def run_distributed(
                     p.kill()
                     p.join()
     if errors:
-        first = min(errors)
-        raise DistributedFailure(f"{target}: rank {first} failed:\n{errors[first]}")
+        # every failed rank, the first to report first: a peer of the failing rank often fails too, later, in a
+        # collective ("Connection closed by peer"), and the lowest rank is not necessarily the cause
+        report = "\n".join(f"--- rank {r}:\n{tb}" for r, tb in errors.items())
+        raise DistributedFailure(
+            f"{target}: rank(s) {list(errors)} failed (in the order they reported):\n{report}"
+        )
     return [results[r] for r in range(world_size)]

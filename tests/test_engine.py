@@ -26,8 +26,26 @@ EXTRA_LAYOUTS = {"dp2_ring2": (4, 1, 2)}  # a pure ring of 2 under data parallel
 
 
 @functools.cache
-def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1):
-    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind, ring)
+def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1, pipeline: str = ""):
+    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind, ring, pipeline)
+
+
+@pytest.fixture(scope="module")
+def pipeline_folder(tmp_path_factory):
+    """``kind -> folder`` of the ``*_pipeline`` cases ("" for the others), written here once, before any rank
+    starts: from transformers 5.15, ``save_pretrained`` writes a model's weights only on rank 0 of an initialised
+    process group, so a folder written by each rank would lack its text encoders' weights on the other ranks."""
+    written: dict[str, str] = {}
+
+    def folder(kind: str) -> str:
+        if kind.endswith("_pipeline") and kind not in written:
+            from sp_diffusers.tiny import save_tiny_pipeline
+
+            family = kind.removesuffix("_pipeline")
+            written[kind] = str(save_tiny_pipeline(family, tmp_path_factory.mktemp(kind), num_layers=2))
+        return written.get(kind, "")
+
+    return folder
 
 
 @pytest.mark.parametrize(
@@ -37,14 +55,15 @@ def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 
     + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")],
     ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
 )
-def test_flowgrpo_step_matches_one_process(layout, lora, kind):
+def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     """SD3 runs through sp_diffusers' plan, from a real StableDiffusion3Pipeline folder whose own CLIP/T5
     encoders give the text and pooled inputs (text padded to the degree with a masked key); Wan (video latents
     [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2."""
     world, sp, ring = {**LAYOUTS, **EXTRA_LAYOUTS}[layout]
-    ref = _step(1, 1, lora, kind)[0]
-    results = _step(world, sp, lora, kind, ring)
+    pipeline = pipeline_folder(kind)
+    ref = _step(1, 1, lora, kind, 1, pipeline)[0]
+    results = _step(world, sp, lora, kind, ring, pipeline)
     # the loss each data-parallel group reports, averaged over dp, is the single-process loss
     dp_losses = {r["dp_rank"]: r["loss"] for r in results if r["sp_rank"] == 0}
     assert abs(sum(dp_losses.values()) / len(dp_losses) - ref["loss"]) <= 1e-6

@@ -129,6 +129,37 @@ def test_folder_checks(folders, tmp_path):
     assert expert_names(c) == ("transformer",) and boundary_ratio(c) is None
 
 
+def test_tiny_writers_refuse_a_folder_without_weights(tmp_path, monkeypatch):
+    """From transformers 5.15, ``save_pretrained`` writes a model's weights only on rank 0 of an initialised process
+    group. A tiny pipeline (or CLIP) written on another rank must fail there, naming the folder and the fix, not on
+    load, where its peers see only a closed connection. Rank 1 is simulated; below 5.15 the wrapper applies the
+    same rule (a no-op where transformers already applies it)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from transformers import PreTrainedModel
+
+    from sp_diffusers.tiny import save_tiny_clip, save_tiny_sd3_pipeline
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    save = PreTrainedModel.save_pretrained
+
+    def rank0_writes_weights(self, folder, *args, **kwargs):
+        save(self, folder, *args, **kwargs)
+        for f in Path(folder).glob("*.safetensors"):
+            f.unlink()
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", rank0_writes_weights)
+    fix = r"rank 1 of a process group, and transformers >= 5.15 .*; fix: write the folder once, on one process"
+    with pytest.raises(RuntimeError, match=r"save_tiny_pipeline \(StableDiffusion3Pipeline\): no weights .*" + fix) as e:
+        save_tiny_sd3_pipeline(tmp_path / "sd3", num_layers=1)
+    listed = str(e.value).split("no weights written in ")[1].split(" (")[0].split(", ")
+    assert listed == [str(tmp_path / "sd3" / name) for name in ("text_encoder", "text_encoder_2", "text_encoder_3")]
+    with pytest.raises(RuntimeError, match=r"save_tiny_clip: no weights written in .*clip .*" + fix):
+        save_tiny_clip(tmp_path / "clip")
+
+
 def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     from diffusers import WanPipeline
 

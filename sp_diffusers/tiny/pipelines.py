@@ -16,6 +16,7 @@ from ..scheduler_configs import scheduler_kwargs
 from ._registry import tiny_model
 from .text_parts import (
     char_tokenizer,
+    require_weights,
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_qwen25vl,
@@ -41,7 +42,11 @@ WAN_SCHEDULER_CONFIG = scheduler_kwargs("wan")
 
 
 def _save(pipe: Any, folder: str | os.PathLike) -> Path:
+    import torch
+
     pipe.save_pretrained(folder)
+    models = [Path(folder) / name for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)]
+    require_weights(f"save_tiny_pipeline ({type(pipe).__name__})", models)
     return Path(folder)
 
 

@@ -16,6 +16,7 @@ import torch
 
 __all__ = [
     "char_tokenizer",
+    "require_weights",
     "save_tiny_clip",
     "tiny_autoencoder_kl",
     "tiny_clip_text",
@@ -27,6 +28,29 @@ __all__ = [
 ]
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [chr(c) for c in range(32, 127)]
+
+
+def require_weights(writer: str, folders: list[Path]) -> None:
+    """Raise unless every model folder just written holds its weights (``*.safetensors``).
+
+    From transformers 5.15, ``save_pretrained`` writes a model's weights only on rank 0 when torch.distributed is
+    initialised (``is_main_process=True`` notwithstanding): on any other rank the folder gets its config and no
+    weights, and loading it fails later, on that rank only, while its peers wait in a collective."""
+    missing = [str(f) for f in folders if not any(f.glob("*.safetensors"))]
+    if not missing:
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    why = (
+        f"this process is rank {rank} of a process group, and transformers >= 5.15 writes model weights on rank 0 only"
+        if rank
+        else "save_pretrained wrote no weights"
+    )
+    raise RuntimeError(
+        f"{writer}: no weights written in {', '.join(missing)} ({why}); fix: write the folder once, on one process "
+        "(before init_process_group, or on rank 0 followed by a barrier), and give its path to every rank"
+    )
 
 
 def char_tokenizer(max_length: int) -> Any:
@@ -190,6 +214,7 @@ def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
     )  # fmt: skip
     folder = Path(folder)
     _seeded(seed, lambda: CLIPModel(config)).save_pretrained(folder)
+    require_weights("save_tiny_clip", [folder])
     char_tokenizer(32).save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(
         json.dumps({"crop_size": {"height": 32, "width": 32}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25] * 3})

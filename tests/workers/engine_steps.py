@@ -24,27 +24,27 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _config(sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", ring: int = 1, **flowgrpo):
+def _config(
+    sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", ring: int = 1, pipeline: str = "", **flowgrpo
+):
+    """``pipeline``: the folder of the ``*_pipeline`` kinds, written by the parent before the ranks start
+    (``save_tiny_pipeline(family, folder, num_layers=2)``; see tests/test_engine.py for why not here)."""
     from sp_diffusers.flowgrpo.config import TrainConfig
 
     c = TrainConfig()
     c.model.kind, c.model.image_size, c.model.overrides = kind, 8, {"num_layers": 2}
+    if kind.endswith("_pipeline") and not pipeline:
+        raise ValueError(f"kind={kind!r} reads a pipeline folder: pass pipeline=<folder written by the parent>")
     if kind == "sd3_pipeline":
         # a real StableDiffusion3Pipeline folder: transformer from_pretrained, prompts through its CLIP-L,
         # CLIP-G (pooled) and T5 encoders; 77 + 16 = 93 text tokens, padded to 94 at SP = 2 (one masked key)
-        from sp_diffusers.tiny import save_tiny_sd3_pipeline
-
-        folder = save_tiny_sd3_pipeline(tempfile.mkdtemp(), num_layers=2)
-        c.model.kind, c.model.pretrained = "sd3", str(folder / "transformer")
-        c.text.pipeline, c.text.max_sequence_length = str(folder), 16
+        c.model.kind, c.model.pretrained = "sd3", f"{pipeline}/transformer"
+        c.text.pipeline, c.text.max_sequence_length = pipeline, 16
     if kind == "wan_pipeline":
         # a real WanPipeline folder: transformer from_pretrained, prompts through its UMT5 (zero-padded to 16 tokens,
         # all attended: Wan takes no text mask), its UniPC scheduler config as the schedule; 2 x 4 x 4 = 32 video tokens
-        from sp_diffusers.tiny import save_tiny_wan_pipeline
-
-        folder = save_tiny_wan_pipeline(tempfile.mkdtemp(), num_layers=2)
-        c.model.kind, c.model.pretrained, c.model.frames = "wan", str(folder / "transformer"), 2
-        c.text.pipeline, c.text.max_sequence_length = str(folder), 16
+        c.model.kind, c.model.pretrained, c.model.frames = "wan", f"{pipeline}/transformer", 2
+        c.text.pipeline, c.text.max_sequence_length = pipeline, 16
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.lora.enabled = lora
@@ -121,10 +121,12 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
     return batch, traj, data["advantages"][sl], old
 
 
-def flowgrpo_step(rank: int, world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1) -> dict:
+def flowgrpo_step(
+    rank: int, world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1, pipeline: str = ""
+) -> dict:
     """One FlowGRPO update (2 micro-batches x 2 window steps, one optimizer step) on this layout."""
     _quiet()
-    trainer = _trainer(_config(sp, lora, kind=kind, ring=ring))
+    trainer = _trainer(_config(sp, lora, kind=kind, ring=ring, pipeline=pipeline))
     engine = trainer.engine
     data = _global_data(trainer)
     batch, traj, adv, old = _my_batch(trainer, data)
