@@ -16,7 +16,8 @@
 #   patches   every patch on diffusers 0.36.0, 0.37.1 and 0.42.1 (each patch is applied on one of them and
 #             skipped on another; CI runs all seven), install()/uninstall() (test_patches.py, test_install.py)
 #   engine    the engine's FlowGRPO step at SP = 2 and at dp 2 x SP 2 against one process (test_engine.py,
-#             [sp2-full-qwenimage] and [dp2_sp2-full-qwenimage]: torch 2.7.1 fails the second)
+#             test_flowgrpo_step_matches_one_process -k sp2: Qwen-Image full and LoRA at both, SD3 and Wan from
+#             pipeline folders with their own text encoders; torch 2.7.1 fails dp 2 x SP 2)
 #   main      the main job (examples/configs/tiny_qwenimage_sp2.yaml) for 3 iterations on 2 processes
 # Results: one markdown row per combination appended to $SP_COMPAT_DIR/results.md; logs in
 # $SP_COMPAT_DIR/logs/. SP_PYTHON_3_12=/path/to/python3.12 (etc.) picks an interpreter, else python3.12 on
@@ -111,9 +112,8 @@ step_patches() {  # 0.36/0.37/0.42: where each patch is applied at least once, a
   step_pytest tests/test_patches.py tests/test_install.py -k "not test_probe_defect_and_fix and \
     not test_apply_revert_idempotent_and_uninstall or 0.36.0 or 0.37.1 or 0.42.1"
 }
-step_engine() {
-  step_pytest "tests/test_engine.py::test_flowgrpo_step_matches_one_process[sp2-full-qwenimage]" \
-    "tests/test_engine.py::test_flowgrpo_step_matches_one_process[dp2_sp2-full-qwenimage]"
+step_engine() {  # every SP 2 and dp 2 x SP 2 case: Qwen-Image full and LoRA, SD3 and Wan from pipeline folders
+  step_pytest tests/test_engine.py::test_flowgrpo_step_matches_one_process -k sp2
 }
 step_main() {  # with a wheel from another directory: the installed package, not this checkout
   local out="$DIR/runs/$name" cwd=$ROOT
