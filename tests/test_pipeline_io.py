@@ -91,8 +91,8 @@ def test_text_encoders_match_encode_prompt(folders):
 
     q = PipelineTextEncoder(str(folders["qwenimage"]), 256)
     got = q.encode_batch(PROMPTS)
-    # the references run as the pipelines' __call__ runs them, without autograd: on torch 2.15's CPU kernels the
-    # same encoder differs in the last bit with and without it (6e-7), and PipelineTextEncoder encodes without
+    # the references run as the pipelines' __call__ runs them, without autograd: with transformers 5.24 the same
+    # encoder differs in the last bit with and without it (6e-7, Flux's T5), and PipelineTextEncoder encodes without
     with torch.no_grad():
         ref, mask = QwenImagePipeline.from_pretrained(folders["qwenimage"], transformer=None, vae=None).encode_prompt(
             PROMPTS, max_sequence_length=256
