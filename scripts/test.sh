@@ -4,6 +4,9 @@
 #   bash scripts/test.sh --quick [args]    the inner loop (about 2 minutes): attention ops, the world-8 canary,
 #                                          kernels, masks and padding, the FlowGRPO math, layout, the README
 #                                          snippet and one exact engine step at SP 2 - the installed diffusers only
+# Test files run on SP_TEST_WORKERS pytest workers (default 2, pytest-xdist; 0: one process), a file per worker:
+# its process groups and cached runs stay together. Ranks spend much of a test starting up and waiting on
+# each other, so two files at once use two cores better than one does.
 set -euo pipefail
 QUICK=(
   tests/test_attention_ops.py tests/test_canary.py tests/test_kernels.py tests/test_padding.py tests/test_devices.py
@@ -19,4 +22,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 export SP_DIFFUSERS_MATRIX_DIR=${SP_DIFFUSERS_MATRIX_DIR:-$PWD/.dmatrix}
 .venv/bin/ruff check .
-.venv/bin/python -m pytest "$@"
+WORKERS=(-n "${SP_TEST_WORKERS:-2}" --dist loadfile)
+[ "${SP_TEST_WORKERS:-2}" = 0 ] && WORKERS=()
+.venv/bin/python -m pytest ${WORKERS[@]+"${WORKERS[@]}"} "$@"

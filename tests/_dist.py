@@ -2,8 +2,9 @@
 
 Ranks start from a fork server that has imported torch, diffusers and transformers once (a fresh interpreter
 spends seconds importing them, and the suite starts hundreds of ranks); each rank is still its own process,
-with no process group, no installed patches and the environment of the test that starts it. A rank that must
-import another diffusers (``sys_path``) starts from a fresh interpreter instead (spawn).
+with no process group, no installed patches and the environment of the test that starts it. Ranks that must
+import another diffusers (``sys_path``: the compatibility matrix) start from a fork server of their own, one per
+``sys_path``, which imported that diffusers (``SP_TEST_MATRIX_SPAWN=1``: from fresh interpreters instead).
 
 The backend and device come from the environment (``SP_TEST_BACKEND``, ``SP_TEST_DEVICE``; gloo and the CPU
 by default, which is what CI runs): see :func:`backend_and_device`.
@@ -16,6 +17,7 @@ parent kills all ranks when the whole run exceeds ``timeout``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -60,6 +62,52 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([PRELOAD])
     return ctx
+
+
+_SERVERS: dict[tuple[str, ...], Any] = {}
+
+
+def _server_for(sys_path: Sequence[str]) -> Any:
+    """The fork server of one ``sys_path`` (started once per pytest process, alive until it exits): it imports
+    PRELOAD with ``sys_path`` in front, so its ranks find that diffusers imported."""
+    from multiprocessing import forkserver
+
+    key = tuple(sys_path)
+    if key not in _SERVERS:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload([PRELOAD])
+        # the server is a fresh interpreter with this process's environment (Python 3.11's fork server drops
+        # the sys.path it is given): PRELOAD puts SP_TEST_SYS_PATH in front
+        saved = os.environ.get("SP_TEST_SYS_PATH")
+        os.environ["SP_TEST_SYS_PATH"] = os.pathsep.join(key)
+        try:
+            server.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("SP_TEST_SYS_PATH")
+            else:
+                os.environ["SP_TEST_SYS_PATH"] = saved
+        _SERVERS[key] = server
+    return _SERVERS[key]
+
+
+@contextlib.contextmanager
+def _starting_from(sys_path: Sequence[str]):
+    """Processes started inside come from ``sys_path``'s fork server, not the default one.
+
+    multiprocessing has one fork server per process and asks it by a module-level function, which is pointed at
+    this one while ranks start (they start one by one, from this thread)."""
+    if not sys_path:
+        yield
+        return
+    from multiprocessing import forkserver
+
+    saved = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = _server_for(sys_path).connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = saved
 
 
 def _child(
@@ -116,7 +164,8 @@ def run_distributed(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``target(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results."""
-    ctx = mp.get_context("spawn") if sys_path else _context()
+    spawn = bool(sys_path) and os.environ.get("SP_TEST_MATRIX_SPAWN") == "1"
+    ctx = mp.get_context("spawn") if spawn else _context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
@@ -128,8 +177,9 @@ def run_distributed(
             )
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
+        with _starting_from(() if spawn else sys_path):
+            for p in procs:
+                p.start()
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
