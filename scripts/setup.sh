@@ -56,35 +56,9 @@ if [ "$TORCH_SOURCE" = system ]; then
   TORCH_LABEL="the system's torch $TORCH_VERSION (kept)"
 fi
 
-if [ "$(cat "$VENV/.sp-diffusers-main" 2>/dev/null)" != "$want" ]; then
-  step "pip itself" "${PIP[@]}" --upgrade pip  # before any other pip of this venv runs
-fi
-
-# The diffusers matrix (tests only) downloads while the environment installs: separate folders, no deps.
-matrix_pid=""
-if [ "$PROFILE" = test ]; then
-  mkdir -p "$MATRIX_DIR"
-  missing=()
-  for v in $MATRIX_VERSIONS; do
-    [ -d "$MATRIX_DIR/$v/diffusers" ] || missing+=("$v")
-  done
-  if [ ${#missing[@]} -gt 0 ]; then
-    install_matrix() {
-      local pids=() v
-      for v in "${missing[@]}"; do
-        "${PIP[@]}" --no-deps --target "$MATRIX_DIR/$v" "diffusers==$v" &
-        pids+=($!)
-      done
-      for p in "${pids[@]}"; do wait "$p"; done
-    }
-    matrix_start=$SECONDS
-    install_matrix >"$VENV/setup-matrix.log" 2>&1 &
-    matrix_pid=$!
-  fi
-fi
-
 # torch is pinned in every resolve so nothing can pull a multi-GB CUDA build instead.
 if [ "$(cat "$VENV/.sp-diffusers-main" 2>/dev/null)" != "$want" ]; then
+  step "pip itself" "${PIP[@]}" --upgrade pip
   step "$TORCH_LABEL, diffusers 0.42.1, sp-diffusers[train]" \
     "${PIP[@]}" "$TORCH" "diffusers==0.42.1" -e ".[train]"
   echo "$want" >"$VENV/.sp-diffusers-main"
@@ -102,15 +76,21 @@ if [ "$PROFILE" = test ]; then
       "${PIP[@]}" "$TORCH" "diffusers==0.42.1" "verl==0.9.1" -e ".[dev]"
     echo "$want" >"$VENV/.sp-diffusers-test"
   fi
-fi
-if [ -n "$matrix_pid" ]; then
-  printf '[setup] diffusers matrix %s -> %s/ ... ' "${missing[*]}" "$MATRIX_DIR"
-  if wait "$matrix_pid"; then
-    echo "done ($((SECONDS - matrix_start)) s)"
-  else
-    echo "FAILED"
-    tail -n 40 "$VENV/setup-matrix.log" >&2
-    exit 1
+  mkdir -p "$MATRIX_DIR"
+  missing=()
+  for v in $MATRIX_VERSIONS; do
+    [ -d "$MATRIX_DIR/$v/diffusers" ] || missing+=("$v")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    install_matrix() {
+      local pids=() v
+      for v in "${missing[@]}"; do
+        "${PIP[@]}" --no-deps --target "$MATRIX_DIR/$v" "diffusers==$v" &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p"; done
+    }
+    step "diffusers matrix ${missing[*]} -> $MATRIX_DIR/" install_matrix
   fi
 fi
 echo "[setup] ready ($PROFILE): $("$VENV/bin/python" -c 'import torch, diffusers; print("torch", torch.__version__, "| diffusers", diffusers.__version__)')"
