@@ -66,6 +66,7 @@ _C10D_FACTOR = {
 
 
 _SHAPE_INFERENCE = [0]  # > 0 while DTensor infers an op's global output shape
+_DEVICE = torch.ops.prim.device.default
 
 
 @contextlib.contextmanager
@@ -241,7 +242,9 @@ class _PlaceRecorder:
         self.comm[(kind, size)] += nbytes * factor(size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if _SHAPE_INFERENCE[0]:
+        # a fake tensor's device query is dispatched as an op (prim.device), from C++, thousands of times a step;
+        # it allocates nothing and a real tensor's never reaches a tracker, so it bypasses the bookkeeping
+        if _SHAPE_INFERENCE[0] or func is _DEVICE:
             return func(*args, **(kwargs or {}))
         if func.namespace == "c10d" and not any(t.__name__ == "DTensor" for t in types):
             self._count_collective(func, args)
