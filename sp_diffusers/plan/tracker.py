@@ -19,6 +19,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
@@ -141,9 +142,37 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _no_module_backward_hook(tensors: Any, fn: Any, *, mode: str = "all") -> None:
+    return None
+
+
 class _PlaceRecorder:
     """Mixed into torch's trackers: per-place peaks (its own bookkeeping replaces the per-module snapshots, the
-    trackers' slowest part) and the bytes each collective sends."""
+    trackers' slowest part) and the bytes each collective sends.
+
+    Inside it, torch's ``ModTracker`` (the trackers' module bookkeeping) hooks no gradients. It hooks every
+    module's inputs and outputs with ``register_multi_grad_hook`` to follow modules through backward, and such a
+    hook is a reference cycle: its closure holds the ``grad_fn`` s it hooks, which hold it. An autograd graph
+    that backward never runs (Qwen-Image's text stream after the last block, which the model drops) then
+    outlives its output until the garbage collector happens to run, with every tensor its nodes saved (under
+    checkpointing, their recomputed values too): memory a run without the tracker frees at once, counted or not
+    depending on the collector's timing (a few KiB per block that looked quadratic in the block count). The
+    places need none of it: blocks and phases come from this class's own hooks and autograd's task id."""
+
+    def __enter__(self) -> Any:
+        self._multi_grad_hook = mod_tracker.register_multi_grad_hook
+        mod_tracker.register_multi_grad_hook = _no_module_backward_hook
+        try:
+            return super().__enter__()  # type: ignore[misc]
+        except BaseException:
+            mod_tracker.register_multi_grad_hook = self._multi_grad_hook
+            raise
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)  # type: ignore[misc]
+        finally:
+            mod_tracker.register_multi_grad_hook = self._multi_grad_hook
 
     def _init_places(self, model: torch.nn.Module, block_lists: dict[str, int]) -> None:
         self._flop_registry = _flop_registry()
