@@ -7,6 +7,7 @@ and a two-list Flux with full fine-tuning."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sp_diffusers.plan.extrapolate import combine, shortcut_counts
 from sp_diffusers.plan.models import FAMILIES, ModelSpec
@@ -80,30 +81,73 @@ def test_the_block_shortcut_equals_a_full_trace(kind, config, checkpointing, lor
     assert any(place[-1] == "middle" for place in full_train.places)
 
 
-def test_the_tracker_keeps_no_dropped_graph_alive():
-    """A graph whose output is dropped is freed at once under the planner's tracker, as in a run without it:
-    torch's module tracker hooks gradients through reference cycles, which kept such a graph, and what it saved,
-    until the garbage collector ran (the collector is off here, so only reference counts free anything)."""
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(h)) + shared
+
+
+class _Blocks(torch.nn.Module):
+    """Blocks that all take one shared input, as a DiT's blocks take its text and timestep embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shared = self.embed(c)
+        for block in self.blocks:
+            x = block(x, shared)
+        return x
+
+
+def test_the_tracker_holds_nothing_a_run_without_it_frees():
+    """Under the planner's tracker, as without it: a graph whose output is dropped is freed at once, and a block's
+    input gradient once the block before it has used it. torch's module tracker hooks every module's inputs and
+    outputs with hooks that are reference cycles (a dropped graph, and what it saved, lived until the garbage
+    collector ran: off here, so only reference counts free anything) and that buffer the gradients they see until
+    every hooked input has one (with an input every block shares, each block's input gradient lived until the end
+    of backward)."""
     import gc
     import weakref
 
-    import torch
-
     from sp_diffusers.plan.tracker import make_tracker
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
-    saved = []  # the first layer's output, which the GELU's backward saves
-    model[0].register_forward_hook(lambda module, args, out: saved.append(weakref.ref(out)))
-    x = torch.randn(2, 4, requires_grad=True)
-    tracker = make_tracker(model, None, {}, (x,))
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    saved = []  # the first layer's output, which only the GELU's backward holds
+    mlp[0].register_forward_hook(lambda module, args, out: saved.append(weakref.ref(out)))
+    model = _Blocks()
+    grads: list[weakref.ref] = []  # the gradients entering blocks 1-3
+
+    def watch(module: torch.nn.Module, args: tuple) -> None:
+        args[0].register_hook(lambda g: grads.append(weakref.ref(g)))
+
+    for block in model.blocks[1:]:
+        block.register_forward_pre_hook(watch)
+    x, c = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
+    alive: list[int] = []  # of those, how many live when backward reaches the model's input
+    x.register_hook(lambda g: alive.append(sum(r() is not None for r in grads)))
     gc.collect()
     gc.disable()
     try:
-        with tracker:
-            out = model(x)
-            assert saved[0]() is not None
-            del out
-            assert saved[0]() is None
+        for tracked, step in (
+            (mlp, lambda: mlp(torch.randn(2, 4))),
+            (model, lambda: model(x, c).sum().backward()),
+        ):
+            tracker = make_tracker(tracked, None, {}, ())
+            try:
+                with tracker:
+                    out = step()
+            finally:
+                tracker.remove_hooks()
+            if tracked is mlp:
+                assert saved[0]() is not None
+                del out
+                assert saved[0]() is None
     finally:
         gc.enable()
-        tracker.remove_hooks()
+    assert len(grads) == 3 and alive == [0], alive
