@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
     ap.add_argument("--lora", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--blocks", type=int, default=None, help="the narrow model's block count (default 4)")
     ap.add_argument("--long", action="store_true", help="the long-sequence run (SP = 2, checkpointing) only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -278,19 +279,20 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(args.json, result)
         return result
     flags = {"on": [True], "off": [False], "both": [False, True]}
+    model = NARROW if args.blocks is None else {**NARROW, "num_layers": args.blocks}
     rows = [
-        _point(t, sp, ckpt, lora)
+        _point(t, sp, ckpt, lora, model)
         for t in args.tokens
         for sp in args.sp
         for ckpt in flags[args.checkpointing]
         for lora in flags[args.lora]
     ]
-    rows += [_point(t, 2, True, lora) for t in args.long_tokens for lora in flags[args.lora]]
+    rows += [_point(t, 2, True, lora, model) for t in args.long_tokens for lora in flags[args.lora]]
     worst = {k: max(abs(r[k]) for r in rows) for k in ("tracker_error", "rss_error")}
     print(
         f"{len(rows)} points; largest |error|: tracker {worst['tracker_error']:.1%}, RSS {worst['rss_error']:.1%}"
     )
-    result = {"model": NARROW, "text_len": TEXT_LEN, "lora_rank": LORA_RANK, "rows": rows, "worst": worst}
+    result = {"model": model, "text_len": TEXT_LEN, "lora_rank": LORA_RANK, "rows": rows, "worst": worst}
     write_json(args.json, result)
     if args.plot:
         plot(rows, args.plot)
