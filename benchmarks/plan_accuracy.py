@@ -7,15 +7,17 @@ CPU processes (gloo), over tokens x SP degree x activation checkpointing x LoRA 
     python benchmarks/plan_accuracy.py --long --tokens 65536   # SP = 2, checkpointing, one point (LONG model)
 
 Prediction: ``sp_diffusers.plan`` with ``target="cpu"`` (a CPU process's habits), fp32, world = SP degree.
-Measured on every rank, in the same step, two ways:
-- torch's memory tracker on the real tensors (the tracker the planner runs on fake ones): the peak, bytes;
-- the growth of the process's peak resident memory over the step (``/proc/self/clear_refs`` <- 5 resets the
-  high-water mark, ``VmHWM`` reads it), against the predicted peak less the predicted memory at the step's
-  start. glibc serves allocations of 64 KiB and more with mmap here (``mallopt(M_MMAP_THRESHOLD)``), so freed
-  tensors leave the resident set at once, as they leave a GPU's allocated bytes.
-Each point measures a running job's step: one train step runs first, untraced (AdamW's state, the allocator's
-arenas and every lazy initialisation exist afterwards); then the cached CPU send buffers are dropped, so the
-measured step creates them as the planner's single fake step does.
+Measured on every rank, on two consecutive steps, two ways:
+- the growth of the process's peak resident memory over a step run without any tracker (``/proc/self/clear_refs``
+  <- 5 resets the high-water mark, ``VmHWM`` reads it), against the predicted peak less the predicted memory at
+  the step's start;
+- torch's memory tracker on the real tensors of the next step (the tracker the planner runs on fake ones): the
+  peak, bytes.
+glibc serves allocations of 64 KiB and more with mmap here (``mallopt(M_MMAP_THRESHOLD)``), so freed tensors leave
+the resident set at once, as they leave a GPU's allocated bytes. Each point measures a running job's steps: one
+train step runs first, unmeasured (AdamW's state, the allocator's arenas and every lazy initialisation exist
+afterwards); before each measured step the cached CPU send buffers are dropped, so it creates them as the
+planner's single fake step does.
 """
 
 from __future__ import annotations
@@ -107,8 +109,9 @@ def measure_rank(
     config: dict | None = None,
     warmup: bool = True,
 ) -> dict:
-    """One real train step at this point: torch's tracker peak and start, and the peak-RSS growth (``warmup``:
-    after an untraced step; without, the step's one-time allocations count too)."""
+    """Real train steps at this point: the peak-RSS growth of one without a tracker, then torch's tracker peak and
+    start on the next (``warmup``: both after an untraced step; without, the RSS step's one-time allocations count
+    too)."""
     _mmap_large_allocations()
     import logging
     import warnings
@@ -145,21 +148,26 @@ def measure_rank(
     if warmup:
         engine.train_step(batch, plan_loss)  # the running job's previous step
         comm.release_buffers()
+    # resident memory on a step without a tracker: a tracker's hooks could hold memory of their own (torch's
+    # module tracker did: plan/tracker.py), which a measure under it would count as the step's
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _rss("VmRSS")
+    engine.train_step(batch, plan_loss)
+    growth = _rss("VmHWM") - before
+    comm.release_buffers()
     lists = {"blocks": spec.config["num_layers"]}
     tracker = make_tracker(
         engine.model, engine.optimizer, lists, tuple(v for v in inputs.values() if torch.is_tensor(v))
     )
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss("VmRSS")
     try:
         with tracker:
             tracker.start()
             engine.train_step(batch, plan_loss)
     finally:
         tracker.remove_hooks()
-    growth = _rss("VmHWM") - before
     places = tracker.places()
     return {
         "tracker_peak": max(p["total"] for p in places.values()),
@@ -261,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
     ap.add_argument("--lora", choices=("on", "off", "both"), default="both")
+    ap.add_argument("--blocks", type=int, default=None, help="the narrow model's block count (default 4)")
     ap.add_argument("--long", action="store_true", help="the long-sequence run (SP = 2, checkpointing) only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
@@ -270,19 +279,20 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(args.json, result)
         return result
     flags = {"on": [True], "off": [False], "both": [False, True]}
+    model = NARROW if args.blocks is None else {**NARROW, "num_layers": args.blocks}
     rows = [
-        _point(t, sp, ckpt, lora)
+        _point(t, sp, ckpt, lora, model)
         for t in args.tokens
         for sp in args.sp
         for ckpt in flags[args.checkpointing]
         for lora in flags[args.lora]
     ]
-    rows += [_point(t, 2, True, lora) for t in args.long_tokens for lora in flags[args.lora]]
+    rows += [_point(t, 2, True, lora, model) for t in args.long_tokens for lora in flags[args.lora]]
     worst = {k: max(abs(r[k]) for r in rows) for k in ("tracker_error", "rss_error")}
     print(
         f"{len(rows)} points; largest |error|: tracker {worst['tracker_error']:.1%}, RSS {worst['rss_error']:.1%}"
     )
-    result = {"model": NARROW, "text_len": TEXT_LEN, "lora_rank": LORA_RANK, "rows": rows, "worst": worst}
+    result = {"model": model, "text_len": TEXT_LEN, "lora_rank": LORA_RANK, "rows": rows, "worst": worst}
     write_json(args.json, result)
     if args.plot:
         plot(rows, args.plot)

@@ -203,6 +203,29 @@ def test_the_table_and_the_json_of_a_small_plan(capsys):
     assert "recommended: ulysses=" in out and "FSDPEngine(model, ulysses_sequence_parallel_size=" in out
 
 
+def test_forked_workers_plan_what_one_process_plans(capfd):
+    """The command's default: traces in worker processes forked from this one. The same plan as traced here, and
+    nothing printed (diffusers warned that attention backends are experimental at each model's reset)."""
+    import argparse
+    import dataclasses
+
+    from benchmarks.plan_accuracy import NARROW
+    from sp_diffusers.plan.command import add_arguments, request_from_args
+    from sp_diffusers.plan.planner import make_plan
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    folder = _narrow_folder({**NARROW, "num_layers": 2})  # traced whole: one run per layout
+    argv = ["--model", str(folder), "--tokens", "1024", "--gpus", "4", "--ulysses", "2"]
+    req = request_from_args(parser.parse_args([*argv, "--ring", "1", "--workers", "2"]))
+    forked = make_plan(req)
+    here = make_plan(dataclasses.replace(req, workers=1))
+    assert [p.to_json() for p in forked.layouts] == [p.to_json() for p in here.layouts]
+    assert len(forked.layouts) == 2  # checkpointing off and on
+    out, err = capfd.readouterr()
+    assert "experimental" not in out + err, err
+
+
 def _narrow_folder(config: dict):
     """A transformer folder as save_pretrained writes it (config.json only: the planner reads no weights)."""
     import tempfile

@@ -49,6 +49,7 @@ __all__ = [
 
 
 _REAL_LIMIT = 1 << 22  # elements: a real (valued) integer/bool tensor of at most 32 MiB
+_DEVICE = torch.ops.prim.device.default
 _INDEX_OPS = (
     torch.ops.aten.index.Tensor,
     torch.ops.aten.index_put.default,
@@ -73,6 +74,8 @@ class PlanFakeMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func is _DEVICE:  # a device query (most of the ops dispatched): nothing below applies to it
+            return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         if func in _INDEX_OPS and isinstance(args[1], (list, tuple)):
             args = (args[0], _integer_indices(args[1]), *args[2:])

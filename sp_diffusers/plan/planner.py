@@ -10,8 +10,6 @@ the rollout's forward without grad on the same GPUs.
 
 from __future__ import annotations
 
-import concurrent.futures as futures
-import multiprocessing
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +18,9 @@ from .extrapolate import combine, shortcut_counts
 from .hardware import Hardware, step_seconds
 from .models import ModelSpec, PlanError
 from .shapes import Workload
-from .trace import Measure, TraceRequest, block_lists, run_trace
+from .trace import Measure, TraceRequest, block_lists
 from .tracker import PARTS
+from .workers import run_all
 
 __all__ = ["LayoutPlan", "Plan", "PlanRequest", "make_plan"]
 
@@ -181,54 +180,6 @@ def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
     return tasks
 
 
-def _run_all(tasks: list[TraceRequest], workers: int, progress: bool) -> list[tuple[Measure, Measure | None]]:
-    bar = _bar(len(tasks), progress)
-    try:
-        if workers <= 1:
-            out = []
-            for t in tasks:
-                out.append(run_trace(t))
-                bar.update(1)
-            return out
-        context = multiprocessing.get_context("spawn")
-        with futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
-            jobs = [pool.submit(run_trace, t) for t in tasks]
-            for _ in futures.as_completed(jobs):
-                bar.update(1)
-            return [j.result() for j in jobs]
-    finally:
-        bar.close()
-
-
-def _quiet_worker() -> None:
-    import logging
-    import warnings
-
-    import torch
-
-    torch.set_num_threads(1)  # fake ops do no arithmetic
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch").setLevel(logging.ERROR)
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(total: int, progress: bool) -> Any:
-    if not progress:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the [train] extra
-        return _NoBar()
-    return tqdm(total=total, desc="fake runs", unit="run", leave=False)
-
-
 def _allowance(req: PlanRequest) -> tuple[int, int]:
     """On a GPU, FSDP2 gathers the next block while one computes, and reduce-scatters the last block's gradients
     while the next computes: one more block's gathered parameters (forward and backward) and gradients (backward)
@@ -342,7 +293,7 @@ def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
     lists = block_lists(req.spec)
     tasks = _tasks(req, lists)
     workers = req.workers if req.workers is not None else min(4, os.cpu_count() or 1)
-    results = _run_all(tasks, min(workers, len(tasks)), progress)
+    results = run_all(tasks, min(workers, len(tasks)), progress)
     per = len(tasks) // (len(pairs) * len(ckpts))
     extras = _allowance(req)
     plans, rollouts = [], {}

@@ -208,10 +208,11 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
             if req.rollout:
                 rollout = _traced(engine, lists, inputs, lambda: _rollout(engine, inputs))
     finally:
-        quiet.setLevel(level)
         if model is not None:
-            # a model kept alive by anything (a traceback, a caller's frame) must not block uninstall()
+            # a model kept alive by anything (a traceback, a caller's frame) must not block uninstall(); with
+            # diffusers' logger still quiet: it warns that attention backends are experimental at every reset
             model.reset_attention_backend()
+        quiet.setLevel(level)
         model = engine = batch = None
         gc.collect()
     return train, rollout
