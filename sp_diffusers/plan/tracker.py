@@ -163,18 +163,24 @@ class _PlaceRecorder:
     task id."""
 
     def __enter__(self) -> Any:
-        self._multi_grad_hook = mod_tracker.register_multi_grad_hook
-        mod_tracker.register_multi_grad_hook = _no_module_backward_hook
+        # (a torch whose ModTracker no longer hooks through this name keeps its own; the shortcut test would show)
+        self._multi_grad_hook = getattr(mod_tracker, "register_multi_grad_hook", None)
+        if self._multi_grad_hook is not None:
+            mod_tracker.register_multi_grad_hook = _no_module_backward_hook
         try:
             return super().__enter__()  # type: ignore[misc]
         except BaseException:
-            mod_tracker.register_multi_grad_hook = self._multi_grad_hook
+            self._restore_multi_grad_hook()
             raise
 
     def __exit__(self, *args: Any) -> None:
         try:
             super().__exit__(*args)  # type: ignore[misc]
         finally:
+            self._restore_multi_grad_hook()
+
+    def _restore_multi_grad_hook(self) -> None:
+        if self._multi_grad_hook is not None:
             mod_tracker.register_multi_grad_hook = self._multi_grad_hook
 
     def _init_places(self, model: torch.nn.Module, block_lists: dict[str, int]) -> None:
