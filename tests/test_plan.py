@@ -148,7 +148,8 @@ def test_the_table_and_the_json_of_a_small_plan(capsys):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    folder = _narrow_folder(NARROW)
+    # traced whole, one run per layout: the shortcut has its own test (test_plan_shortcut.py)
+    folder = _narrow_folder({**NARROW, "num_layers": 2})
     args = parser.parse_args(
         [
             "--model",

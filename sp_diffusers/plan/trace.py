@@ -173,6 +173,11 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     # diffusers' hooks keep a model in reference cycles: what an earlier run left is freed now, not by a
     # collection in the middle of this run's trace, and this run's model is freed before it returns
     gc.collect()
+    # the collector's full passes would walk every object of torch and diffusers again and again (a third of a
+    # trace's time); what exists now outlives the trace, so it is set aside (plan/workers.py does so for good)
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     model = engine = batch = None
     try:
         with (
@@ -215,6 +220,8 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
         quiet.setLevel(level)
         model = engine = batch = None
         gc.collect()
+        if freeze:
+            gc.unfreeze()
     return train, rollout
 
 
