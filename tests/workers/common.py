@@ -32,3 +32,13 @@ def shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     """This rank's piece of ``x`` along ``dim``: ``tensor_split``, diffusers' and sp-diffusers' rule for
     lengths that do not divide the degree (equal to ``chunk`` when they do)."""
     return x.tensor_split(world, dim=dim)[rank]
+
+
+def summed_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter's gradient (zeros where it has none), summed over the process group: the gradient
+    contract of sequence parallelism. One all-reduce of them all, flattened: a call per parameter waits on every
+    rank's scheduling once per parameter (seconds for a 40-block model on oversubscribed gloo ranks)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    flat = torch.cat([g.detach().reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    return [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]

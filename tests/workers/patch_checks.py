@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import max_err, shard, ulysses_parallel_config
+from .common import max_err, shard, summed_grads, ulysses_parallel_config
 from .plan_patch_checks import plan_checks
 
 
@@ -263,9 +263,7 @@ def check_uneven_sharding(world: int) -> dict:
     (ref * weight).mean().backward()  # mean: O(1) gradients, the model-parity tolerance applies
     (out * weight).mean().backward()
     grad_err = 0.0
-    for (_, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g)  # the gradient contract: the SUM over the SP group
+    for g, p_ref in zip(summed_grads(model), reference.parameters(), strict=True):
         g_ref = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)
         grad_err = max(grad_err, (g - g_ref).abs().sub(1e-4 * g_ref.abs()).max().item())
     out_err = (out - ref).abs().sub(1e-4 * ref.abs()).max().item()

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .common import summed_grads
+
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -62,10 +64,8 @@ def _parity(
     sum((o * w).mean() for o, w in zip(outs, weights, strict=True)).backward()
     sum((r * w).mean() for r, w in zip(refs, weights, strict=True)).backward()
     worst = max(_excess(o.detach(), r.detach()) for o, r in zip(outs, refs, strict=True))
-    for p, p_ref in zip(model.parameters(), reference.parameters(), strict=True):
-        grad = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(grad)  # the gradient contract: the SUM over the SP group
-        worst = max(worst, _excess(grad, p_ref.grad if p_ref.grad is not None else torch.zeros_like(p)))
+    for grad, p_ref in zip(summed_grads(model), reference.parameters(), strict=True):
+        worst = max(worst, _excess(grad, p_ref.grad if p_ref.grad is not None else torch.zeros_like(p_ref)))
     return worst
 
 
