@@ -2,6 +2,7 @@
 so that no rank spends seconds importing them. Libraries only: no sp_diffusers, no process group, no state.
 A fork server of the compatibility matrix names its diffusers' folder in ``SP_TEST_SYS_PATH``."""
 
+import importlib.util
 import os
 import sys
 
@@ -11,6 +12,10 @@ import diffusers  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed  # noqa: E402, F401
 import transformers  # noqa: E402, F401
+
+# what importing verl costs a rank most (verl itself is never preloaded: importing it installs sp-diffusers)
+if importlib.util.find_spec("datasets") is not None:
+    import datasets  # noqa: F401
 
 # diffusers resolves its classes lazily: resolve the ones the tests build, so that ranks find them imported
 for _name in (
