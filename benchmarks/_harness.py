@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: spawn N ranks, time with barriers, measure peak memory, on CPU or GPU.
+"""Shared by the benchmarks: start N ranks, time with barriers, measure peak memory, on CPU or GPU.
 
 Backend and device: ``--backend`` / ``--device`` (:func:`add_device_arguments`), defaulting to the environment
 (``SP_BENCH_BACKEND``, ``SP_BENCH_DEVICE``) and then to gloo on the CPU. With ``--device cuda`` rank r runs on
@@ -55,9 +55,39 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+# Ranks start from a fork server that imported these once (a spawned rank spent seconds importing them, each
+# time). Libraries only, and no CUDA call: a rank starts as a spawned one would, on either device.
+PRELOAD = ["torch", "torch.distributed", "diffusers", "transformers"]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context ranks start from: the fork server of ``PRELOAD``. A rank calls
+    :func:`take_environment` first."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def take_environment(env: dict[str, str]) -> None:
+    """The starting process's environment (``dict(os.environ)`` there): a forked rank has the fork server's, which
+    may be older, and a spawned rank would have had the caller's."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
 def _child(
-    rank: int, world: int, init_file: str, fn: Callable, args: tuple, threads: int, backend: str, dev: str, q
+    rank: int,
+    world: int,
+    init_file: str,
+    fn: Callable,
+    args: tuple,
+    threads: int,
+    backend: str,
+    dev: str,
+    env: dict[str, str],
+    q,
 ) -> None:
+    take_environment(env)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["SP_BENCH_DEVICE"] = dev
     if dev == "cpu":
@@ -97,12 +127,14 @@ def spawn(
     ``device`` default to the environment (``SP_BENCH_BACKEND`` / ``SP_BENCH_DEVICE``), then gloo / cpu."""
     backend = backend or os.environ.get("SP_BENCH_BACKEND", "gloo")
     device = device or os.environ.get("SP_BENCH_DEVICE", "cpu")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "rdzv")
         procs = [
-            ctx.Process(target=_child, args=(r, world, init, fn, args, threads, backend, device, q))
+            ctx.Process(
+                target=_child, args=(r, world, init, fn, args, threads, backend, device, dict(os.environ), q)
+            )
             for r in range(world)
         ]
         for p in procs:

@@ -34,10 +34,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._harness import add_device_arguments, peak_bytes, synchronize, write_json
+from benchmarks._harness import (
+    add_device_arguments,
+    peak_bytes,
+    rank_context,
+    synchronize,
+    take_environment,
+    write_json,
+)
 
 # a narrow Wan: 2 heads x 16 (the 3-axis RoPE needs head_dim >= 6), hidden 32
 NARROW = dict(
@@ -111,7 +117,8 @@ def _data(trainer) -> tuple:
     return batch, traj, torch.ones(1, device=device), old
 
 
-def _worker(rank: int, world: int, init: str, args, inbox, outbox, gpu: int = 0) -> None:
+def _worker(rank: int, world: int, init: str, args, env: dict, inbox, outbox, gpu: int = 0) -> None:
+    take_environment(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["SP_BENCH_DEVICE"] = args.device
     if args.device == "cuda":
@@ -184,15 +191,17 @@ def _command(group: list, outbox, cmd) -> list:
 
 
 def run(args) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         sp_out, one_out = ctx.Queue(), ctx.Queue()
         sp_in, one_in = [ctx.Queue(), ctx.Queue()], [ctx.Queue(), ctx.Queue()]
         # GPUs: the SP ranks on GPUs 0 and 1, the one-process runs on 2 and 3 (modulo the GPUs there are)
         procs = [
-            ctx.Process(target=_worker, args=(r, 2, f"{tmp}/sp", args, sp_in[r], sp_out, r)) for r in range(2)
+            ctx.Process(target=_worker, args=(r, 2, f"{tmp}/sp", args, env, sp_in[r], sp_out, r))
+            for r in range(2)
         ] + [
-            ctx.Process(target=_worker, args=(0, 1, f"{tmp}/one{i}", args, one_in[i], one_out, 2 + i))
+            ctx.Process(target=_worker, args=(0, 1, f"{tmp}/one{i}", args, env, one_in[i], one_out, 2 + i))
             for i in range(2)
         ]
         for p in procs:
