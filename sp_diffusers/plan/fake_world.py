@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "DEVICE_QUERY",
     "PlanFakeMode",
     "fake_attention_agreement",
     "fake_process_group",
@@ -49,7 +50,7 @@ __all__ = [
 
 
 _REAL_LIMIT = 1 << 22  # elements: a real (valued) integer/bool tensor of at most 32 MiB
-_DEVICE = torch.ops.prim.device.default
+DEVICE_QUERY = torch.ops.prim.device.default  # a fake tensor's device, asked from C++: most ops dispatched
 _INDEX_OPS = (
     torch.ops.aten.index.Tensor,
     torch.ops.aten.index_put.default,
@@ -74,7 +75,7 @@ class PlanFakeMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func is _DEVICE:  # a device query (most of the ops dispatched): nothing below applies to it
+        if func is DEVICE_QUERY:  # a device query (most of the ops dispatched): nothing below applies to it
             return super().__torch_dispatch__(func, types, args, kwargs)
         kwargs = kwargs or {}
         if func in _INDEX_OPS and isinstance(args[1], (list, tuple)):

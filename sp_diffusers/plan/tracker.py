@@ -24,6 +24,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
+from .fake_world import DEVICE_QUERY
+
 __all__ = ["PARTS", "Place", "dtensor_shape_inference_untracked", "make_tracker"]
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -67,7 +69,6 @@ _C10D_FACTOR = {
 
 
 _SHAPE_INFERENCE = [0]  # > 0 while DTensor infers an op's global output shape
-_DEVICE = torch.ops.prim.device.default
 
 
 @contextlib.contextmanager
@@ -282,7 +283,7 @@ class _PlaceRecorder:
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # a fake tensor's device query is dispatched as an op (prim.device), from C++, thousands of times a step;
         # it allocates nothing and a real tensor's never reaches a tracker, so it bypasses the bookkeeping
-        if _SHAPE_INFERENCE[0] or func is _DEVICE:
+        if _SHAPE_INFERENCE[0] or func is DEVICE_QUERY:
             return func(*args, **(kwargs or {}))
         if func.namespace == "c10d" and not any(t.__name__ == "DTensor" for t in types):
             self._count_collective(func, args)

@@ -34,11 +34,23 @@ def shard(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     return x.tensor_split(world, dim=dim)[rank]
 
 
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient (zeros where it has none), flattened into one vector in parameter order."""
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+            for p in model.parameters()
+        ]
+    )
+
+
 def summed_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every parameter's gradient (zeros where it has none), summed over the process group: the gradient
     contract of sequence parallelism. One all-reduce of them all, flattened: a call per parameter waits on every
     rank's scheduling once per parameter (seconds for a 40-block model on oversubscribed gloo ranks)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    flat = torch.cat([g.detach().reshape(-1) for g in grads])
+    flat = flat_grads(model)
     dist.all_reduce(flat)
-    return [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+    params = list(model.parameters())
+    return [
+        piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in params]), params, strict=True)
+    ]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .common import flat_grads
 from .model_cases import build, outputs, sp_inputs
 
 RTOL = 1e-4
@@ -30,15 +31,6 @@ def _quiet() -> None:
     from diffusers.utils import logging as dlogging
 
     dlogging.set_verbosity(logging.ERROR)
-
-
-def _flat_grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-            for p in model.parameters()
-        ]
-    )
 
 
 def _loss(outs: list[torch.Tensor], seed: int) -> torch.Tensor:
@@ -56,7 +48,7 @@ def _reference(name: str, length: str, seed: int, ref_dir: str) -> dict[str, Any
     _loss(outs, seed).backward()
     ref = {
         "outs": [o.detach() for o in outs],
-        "grads": _flat_grads(model),
+        "grads": flat_grads(model),
         "sizes": [p.numel() for p in model.parameters()],
     }
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -114,7 +106,7 @@ def _sp_case(
         raise TypeError(f"return_dict=True gave {type(result).__name__}, not an output dataclass")
     outs = outputs(result)
     _loss(outs, seed).backward()
-    local = _flat_grads(model)
+    local = flat_grads(model)
     summed = local.clone()
     dist.reduce(summed, dst=owner)  # every gradient in one collective
     if dist.get_rank() != owner:
