@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .ledger import comm_kind
+
 __all__ = ["Sizes", "all_gather_along", "gather_ints", "gather_seq", "uniform"]
 
 Sizes = Sequence[int] | None  # every rank's length (rank order); None: the same on every rank
@@ -55,7 +57,8 @@ def all_gather_along(
 def gather_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
     """Every rank's small integer vector (all of one length), in rank order (one collective)."""
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
-    gathered = all_gather_along(t.unsqueeze(0), 0, group)
+    with comm_kind("agreement"):
+        gathered = all_gather_along(t.unsqueeze(0), 0, group)
     return gathered.tolist()
 
 

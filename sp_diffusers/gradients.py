@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .cp_groups import cp_groups
+from .ledger import comm_kind
 
 __all__ = ["sp_degree", "sync_sp_gradients"]
 
@@ -47,7 +48,8 @@ def sync_sp_gradients(model: torch.nn.Module) -> int:
         by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=groups.cp_group)
+        with comm_kind("grad_reduce"):
+            dist.all_reduce(flat, group=groups.cp_group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

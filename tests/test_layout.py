@@ -14,6 +14,7 @@ MAX_LINES = 400
 # floor of each module (a prefix names a package); a module may import its own floor and the floors below
 FLOORS = {
     "sp_diffusers.devices": 0,
+    "sp_diffusers.ledger": 0,
     "sp_diffusers.comm": 0,
     "sp_diffusers.ring": 0,
     "sp_diffusers.cp_groups": 0,

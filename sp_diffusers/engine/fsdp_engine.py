@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..devices import default_device, fetch_scalars, use_device
+from ..ledger import comm_kind, comm_phase
 from ..mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
+from . import gathering
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
 from .protocols import EngineLayout
@@ -229,6 +231,15 @@ class FSDPEngine:
         finally:
             self.model.enable_adapters()
 
+    def gathered_params(self) -> contextlib.AbstractContextManager:
+        """Inside: parameters all-gathered once and held over every forward (a rollout); ``engine/gathering.py``."""
+        return gathering.held(self.model) if self.sharded else contextlib.nullcontext()
+
+    def gather_fits(self) -> bool:
+        """Whether holding the whole model gathered (in the compute dtype) fits this device (``gathering.fits``)."""
+        dtype = torch.bfloat16 if self.settings.mixed_precision == "bf16" else None
+        return not self.sharded or gathering.fits(gathering.gathered_bytes(self.model, dtype), self.device)
+
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank)."""
         return self.model(**inputs, return_dict=False)[0]
@@ -246,7 +257,8 @@ class FSDPEngine:
         a need. Then the SP group's first rank broadcasts the batch, so its peers cannot drift; with
         ``debug_checks`` a checksum verifies it.
         """
-        return batches.prepare_batch(self, batch)
+        with comm_phase("batch"):
+            return batches.prepare_batch(self, batch)
 
     def verify_sp_consistency(self, tensors: dict[str, Any], what: str = "batch") -> None:
         """Raise ``SPDivergenceError`` when SP peers hold different values (cheap checksum, one collective)."""
@@ -291,12 +303,14 @@ class FSDPEngine:
         """
         self.model.train()
         loss, metrics, failure = None, {}, None
-        try:
-            loss, metrics = unpack_loss(loss_fn(self, batch))
-        except Exception as err:  # shared with every rank below, then re-raised
-            failure = err
-        weight = agree_step(self, failure, num_samples)
-        (loss * (loss_scale * weight)).backward()
+        with comm_phase("train_forward"):
+            try:
+                loss, metrics = unpack_loss(loss_fn(self, batch))
+            except Exception as err:  # shared with every rank below, then re-raised
+                failure = err
+            weight = agree_step(self, failure, num_samples)
+        with comm_phase("train_backward"):
+            (loss * (loss_scale * weight)).backward()
         metrics = {
             k: (v.detach() if torch.is_tensor(v) and v.numel() == 1 else v) for k, v in metrics.items()
         }
@@ -311,11 +325,12 @@ class FSDPEngine:
     def _sync_replicated_grads(self) -> None:
         if self.sharded or self.layout.world == 1:
             return
-        for p in self.trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.div_(self.layout.dp)
+        with comm_kind("grad_reduce"):
+            for p in self.trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad.div_(self.layout.dp)
 
     def optimizer_step(self, step_scheduler: bool = True) -> dict[str, float]:
         """Clip, step, schedule. A non-finite gradient norm skips the step on every rank (same norm everywhere).
@@ -326,10 +341,11 @@ class FSDPEngine:
         return self._step(fetch_scalars({"grad_norm": self._clip_grad_norm()}), step_scheduler)
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        self._sync_replicated_grads()
-        max_norm = self.optim_settings.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm if max_norm > 0 else float("inf"))
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        with comm_phase("optimizer"):
+            self._sync_replicated_grads()
+            max_norm = self.optim_settings.max_grad_norm
+            norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm if max_norm > 0 else float("inf"))
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def _step(self, metrics: dict[str, Any], step_scheduler: bool) -> dict[str, Any]:
         """The update for ``metrics`` read on the host (``grad_norm`` a float); ``metrics`` with lr and skip."""
@@ -369,7 +385,8 @@ class FSDPEngine:
         self, root: str | os.PathLike, step: int | None = None, extra: dict | None = None
     ) -> Path:
         """Write ``root/step-XXXXXXXX`` atomically (tmp folder, then rename) and point ``latest`` at it."""
-        return ckpt.save_checkpoint(self, root, step, extra)
+        with comm_phase("checkpoint"):
+            return ckpt.save_checkpoint(self, root, step, extra)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Load ``path`` (a step folder, or a root whose ``latest`` names one); returns ``extra``.
@@ -378,4 +395,5 @@ class FSDPEngine:
         settings is refused, naming the difference, before anything changes. The model, optimizer, LR
         scheduler, step and each rank's RNG come back exactly.
         """
-        return ckpt.load_checkpoint(self, path)
+        with comm_phase("checkpoint"):
+            return ckpt.load_checkpoint(self, path)

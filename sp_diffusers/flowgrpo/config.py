@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "load_config", "validate"]
+__all__ = ["GATHER_MODES", "ConfigError", "TrainConfig", "apply_overrides", "load_config", "validate"]
+
+GATHER_MODES = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -123,6 +125,15 @@ class FlowGRPOConfig:
 
 
 @dataclass
+class RolloutConfig:
+    # the parameters of a rollout: "always" all-gathered once and held over its denoising steps and the recomputed
+    # old log-probs (one gather per rollout, not one per step), "never" gathered per forward as FSDP does, "auto"
+    # once where the whole model fits the device's free memory with a quarter of it to spare (engine/gathering.py)
+    gather_params: str = "auto"
+    cfg_batch: bool = True  # classifier-free guidance's two branches as one forward of 2B samples (false: two)
+
+
+@dataclass
 class DataConfig:
     # a .txt (one prompt a line) or .jsonl ({"prompt": ..., other fields go to the rewards as metadata}) file,
     # shuffled per epoch from train.seed; "": the `prompts` list, drawn at random
@@ -152,6 +163,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     flowgrpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.text.DEFAULT_PROMPTS
@@ -282,6 +294,12 @@ def validate(config: TrainConfig) -> None:
         "must be >= 1 (1: no CFG)",
     )
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(
+        config.rollout.gather_params in GATHER_MODES,
+        "rollout.gather_params",
+        config.rollout.gather_params,
+        f"one of {', '.join(GATHER_MODES)}",
+    )
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
         _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
     _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")

@@ -16,12 +16,15 @@ one, as a false-colour preview of the latents' first three channels.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..ledger import comm_phase
 from .data import PromptRow
+from .guidance import paired
 from .media import save_pixels
 from .rollout import velocity
 from .sde import ode_step
@@ -30,11 +33,25 @@ __all__ = ["Evaluator", "latent_preview", "ode_sample"]
 
 
 @torch.no_grad()
-def ode_sample(engine: Any, adapter: Any, cond: dict[str, Any], noise: torch.Tensor, schedule: Any, cfg_scale: float) -> torch.Tensor:
-    """``noise`` denoised from sigma 1 to 0 with deterministic Euler steps on ``schedule``: the final latents."""
+def ode_sample(
+    engine: Any,
+    adapter: Any,
+    cond: dict[str, Any],
+    noise: torch.Tensor,
+    schedule: Any,
+    cfg_scale: float,
+    cfg_batch: bool = True,
+    hold: Callable[[Any], Any] = lambda engine: engine,
+) -> torch.Tensor:
+    """``noise`` denoised from sigma 1 to 0 with deterministic Euler steps on ``schedule``: the final latents.
+    ``hold``: each step's engine passes through it (``guidance.WeightHolder``: weights gathered once)."""
     x = noise.float()
+    if cfg_scale > 1.0 and cfg_batch:
+        cond = {**cond, "cfg_pair": paired(cond)}  # stacked once, read by every step
     for i in range(schedule.num_steps):
-        v = velocity(engine, adapter, x, schedule.timesteps[i].to(x.device), cond, cfg_scale, step=i)
+        step_engine = hold(engine.for_step(i) if hasattr(engine, "for_step") else engine)
+        t = schedule.timesteps[i].to(x.device)
+        v = velocity(step_engine, adapter, x, t, cond, cfg_scale, cfg_batch=cfg_batch)
         x = ode_step(x, v, float(schedule.sigmas[i]), float(schedule.sigmas[i + 1]))
     return x
 
@@ -66,21 +83,26 @@ class Evaluator:
     def render(self, rows: list[PromptRow], indices: list[int]) -> tuple[torch.Tensor, dict[str, Any]]:
         """The final latents of ``rows`` (noise of ``indices``), in micro-batches; and the last batch's text (for
         scoring: prompts and metadata)."""
-        t, g = self.t, self.t.config.flowgrpo
-        finals = []
-        for lo in range(0, len(rows), g.micro_batch_size):
-            part, idx = rows[lo : lo + g.micro_batch_size], indices[lo : lo + g.micro_batch_size]
-            prompts = [r.prompt for r in part]
-            batch: dict[str, Any] = {
-                **t.text_encoder.encode_batch(prompts),
-                "latents": torch.cat([self.noise(i) for i in idx]),
-            }
-            if g.cfg_scale > 1.0:
-                batch.update(t.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
-            batch = t.engine.prepare_batch(batch)
-            with t.engine.eval_mode():
-                finals.append(ode_sample(t.engine, t.adapter, t._cond(batch), batch["latents"], t.schedule, g.cfg_scale))
+        size = self.t.config.flowgrpo.micro_batch_size
+        with self.t.weight_holder() as hold:  # gathered once for every micro-batch's steps
+            finals = [
+                self._render_part(rows[lo : lo + size], indices[lo : lo + size], hold) for lo in range(0, len(rows), size)
+            ]
         return torch.cat(finals), {}
+
+    def _render_part(self, rows: list[PromptRow], indices: list[int], hold: Callable[[Any], Any]) -> torch.Tensor:
+        t, g = self.t, self.t.config.flowgrpo
+        prompts = [r.prompt for r in rows]
+        batch: dict[str, Any] = {
+            **t.text_encoder.encode_batch(prompts),
+            "latents": torch.cat([self.noise(i) for i in indices]),
+        }
+        if g.cfg_scale > 1.0:
+            batch.update(t.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
+        batch = t.engine.prepare_batch(batch)
+        with t.engine.eval_mode(), comm_phase("eval"):
+            cond, noise = t._cond(batch), batch["latents"]
+            return ode_sample(t.engine, t.adapter, cond, noise, t.schedule, g.cfg_scale, t.config.rollout.cfg_batch, hold)
 
     def evaluate(self) -> dict[str, float]:
         """Every eval prompt once (ODE, fixed noise), scored: the mean total reward and each reward's mean."""

@@ -51,6 +51,9 @@ class FrozenExpert:
     def forward(self, **inputs: Any) -> torch.Tensor:
         return self.model(**inputs, return_dict=False)[0]
 
+    def gathered_params(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # a whole copy: nothing to gather
+
     @contextlib.contextmanager
     def eval_mode(self) -> Iterator[None]:
         with torch.no_grad():

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ledger import comm_kind
 from .reward_loading import RewardSpec
 
 __all__ = ["RewardError", "RewardSet"]
@@ -166,7 +167,8 @@ class RewardSet:
             send = torch.zeros(longest, len(self.specs), dtype=torch.float64, device=device)
             send[: local.shape[0]] = local.to(device)
             parts = [torch.empty_like(send) for _ in range(sp_size)]
-            dist.all_gather(parts, send, group=group)
+            with comm_kind("data"):
+                dist.all_gather(parts, send, group=group)
             scores = torch.cat([p[: s.numel()].cpu() for p, s in zip(parts, slices, strict=True)])
         weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
         total = (scores * weights).sum(dim=1).float()

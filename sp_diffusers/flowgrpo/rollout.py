@@ -12,12 +12,14 @@ and the latents are identical there; the transformer's Ulysses attention does th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..devices import to_device
+from .guidance import guided, paired
 from .pipeline_schedule import Schedule
 from .sde import SDEStep, StepRule, ode_step
 
@@ -67,34 +69,29 @@ def velocity(
     cond: dict[str, Any],
     cfg_scale: float,
     step: int | None = None,
+    cfg_batch: bool = True,
 ) -> torch.Tensor:
     """The model's velocity at ``latents`` and the model timestep ``timestep`` (0-d or ``[B]``, 0..1000 scale);
-    with ``cfg_scale > 1`` classifier-free guidance. ``step``: the schedule step (a host int), which picks the
-    expert of a two-expert model (``experts.ExpertEngines``, Wan2.2); a plain engine ignores it."""
+    with ``cfg_scale > 1`` classifier-free guidance, both branches in one forward of 2B samples (``cfg_batch``;
+    ``guidance.py``) or in two. ``step``: the schedule step (a host int), which picks the expert of a two-expert
+    model (``experts.ExpertEngines``, Wan2.2); a plain engine ignores it."""
     if step is not None and hasattr(engine, "for_step"):
         engine = engine.for_step(step)
     dtype = next(engine.model.parameters()).dtype
     x = latents.to(dtype)
-    v = engine.forward(
-        **adapter.inputs(
-            x,
-            timestep,
-            cond["prompt_embeds"].to(dtype),
-            cond["prompt_embeds_mask"],
-            cond.get("pooled_prompt_embeds"),
-        )
-    )
+
+    def forward(x: torch.Tensor, t: torch.Tensor, embeds: str, mask: str, pooled: str, text: dict) -> torch.Tensor:
+        return engine.forward(**adapter.inputs(x, t, text[embeds].to(dtype), text[mask], text.get(pooled)))
+
+    names = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds")
+    if cfg_scale > 1.0 and cfg_batch:
+        both = cond.get("cfg_pair") or paired(cond)
+        t = timestep if timestep.dim() == 0 else torch.cat([timestep, timestep])
+        v, v_neg = forward(torch.cat([x, x]), t, *names, both).chunk(2)
+        return guided(v, v_neg, cfg_scale).float()
+    v = forward(x, timestep, *names, cond)
     if cfg_scale > 1.0:
-        v_neg = engine.forward(
-            **adapter.inputs(
-                x,
-                timestep,
-                cond["negative_prompt_embeds"].to(dtype),
-                cond["negative_prompt_embeds_mask"],
-                cond.get("negative_pooled_prompt_embeds"),
-            )
-        )
-        v = v_neg + cfg_scale * (v - v_neg)
+        v = guided(v, forward(x, timestep, *(f"negative_{n}" for n in names), cond), cfg_scale)
     return v.float()
 
 
@@ -108,6 +105,7 @@ def evaluate_window_step(
     cond: dict[str, Any],
     rule: StepRule,
     cfg_scale: float,
+    cfg_batch: bool = True,
 ) -> SDEStep:
     """Log-prob of the stored ``next_latents`` under the current policy at schedule step ``step_index`` (an int,
     or a ``[B]`` long tensor when each sample trains on its own step, as DanceGRPO's do)."""
@@ -115,7 +113,7 @@ def evaluate_window_step(
     # index never travels to the host)
     step = None if isinstance(step_index, torch.Tensor) else step_index
     timestep = schedule.on(latents.device).timesteps[to_device(step_index, latents.device)]
-    v = velocity(engine, adapter, latents, timestep, cond, cfg_scale, step=step)
+    v = velocity(engine, adapter, latents, timestep, cond, cfg_scale, step=step, cfg_batch=cfg_batch)
     return rule.step(latents, v, schedule.sigmas, step_index, prev_sample=next_latents)
 
 
@@ -132,11 +130,14 @@ def rollout(
     generator: torch.Generator,
     cfg_scale: float = 1.0,
     final_is_prediction: bool = False,
+    cfg_batch: bool = True,
+    hold: Callable[[Any], Any] | None = None,
 ) -> Trajectory:
     """Denoise ``noise`` from sigma 1 to 0; SDE steps in ``[window_start, window_start + window_size)``.
 
     ``final_is_prediction``: the reward reads the last step's predicted data ``x - sigma v`` instead of the
-    sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same)."""
+    sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same).
+    ``hold``: each step's engine passes through it (``guidance.WeightHolder``: weights gathered once)."""
     sigmas = schedule.sigmas  # the CPU copy: its numbers are read on the host
     num_steps = schedule.num_steps
     if not 0 <= window_start <= num_steps - window_size:
@@ -150,8 +151,13 @@ def rollout(
     ).timesteps  # each step's timestep indexed there, not copied from the host
     stored, log_probs = [], []
     final = None
+    if cfg_scale > 1.0 and cfg_batch:
+        cond = {**cond, "cfg_pair": paired(cond)}  # stacked once, read by every step
     for i in range(num_steps):
-        v = velocity(engine, adapter, x, on_device[i], cond, cfg_scale, step=i)
+        step_engine = engine.for_step(i) if hasattr(engine, "for_step") else engine
+        if hold is not None:
+            step_engine = hold(step_engine)
+        v = velocity(step_engine, adapter, x, on_device[i], cond, cfg_scale, cfg_batch=cfg_batch)
         if i == num_steps - 1 and final_is_prediction:
             final = x - float(sigmas[i]) * v
         if window_start <= i < window_start + window_size:

@@ -13,6 +13,10 @@ batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and T
 installed), ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
 restarted run resumes from the newest one.
 
+Each iteration's rollout, old log-probs, rewards and advantages: ``collect.py`` (a rollout holds its weights gathered
+and runs classifier-free guidance as one forward: ``guidance.py``); every collective of an iteration is counted by
+phase and kind (``sp_diffusers.ledger``) into its metrics (``comm/<phase>/<kind>_calls`` and ``_bytes``).
+
 Building the parts from the config: ``build.py`` (a pipeline folder: ``pipeline_io.py``; Wan2.2's experts:
 ``experts.py``); prompts: ``data.py``; rewards: ``reward_scoring.py``; the policy update: ``update.py``; eval and
 sample grids: ``evaluate.py``; metrics: ``metrics.py``.
@@ -29,11 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import collective_device, fetch_scalars, to_device
+from ..devices import to_device
 from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
-from .advantages import group_advantages
+from ..ledger import CommLedger, as_metrics
 from .build import (
     build_text_encoder,
     check_algorithm,
@@ -41,19 +45,20 @@ from .build import (
     run_schedule,
     step_rule,
 )
+from .collect import collect, gather_dp
 from .config import TrainConfig, validate
 from .data import PromptRow, PromptStream, read_prompts
 from .decode import PixelDecoder
 from .evaluate import Evaluator
-from .experts import ExpertEngines, build_engines, check_expert_steps, route, share_step_choices
+from .experts import ExpertEngines, build_engines, check_expert_steps, share_step_choices
+from .guidance import WeightHolder, gathers_once
 from .metrics import RunLog
 from .models import build_adapter
 from .pipeline_io import load_vae, resolve_pipeline
 from .reward_scoring import RewardSet
 from .rewards import Reward
-from .rollout import Trajectory, evaluate_window_step, rollout
+from .rollout import Trajectory
 from .run_lock import lock_run_dir
-from .selection import kept_samples
 from .text import DEFAULT_PROMPTS
 from .update import policy_update
 
@@ -109,7 +114,9 @@ class FlowGRPOTrainer:
         # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
         self.reward = reward
         vae = load_vae(c)  # model.pipeline's: pixels for rewards and sample grids
-        self.decoder = PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
+        self.decoder = (
+            PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
+        )
         self.rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
@@ -121,11 +128,15 @@ class FlowGRPOTrainer:
         # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
         self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
         self.data_base = (0, 0)
-        self.evaluator = Evaluator(self, eval_rows, eval_rows or train_rows or [PromptRow(p) for p in self.prompts])
+        self.evaluator = Evaluator(
+            self, eval_rows, eval_rows or train_rows or [PromptRow(p) for p in self.prompts]
+        )
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.start_iteration = 0
         self.log = RunLog(self.out_dir, self.rank)
+        self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
+        self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -170,7 +181,9 @@ class FlowGRPOTrainer:
         if g.cfg_scale > 1.0:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         if isinstance(self.engine, ExpertEngines):  # every rank trains the same expert at a time
-            share_step_choices(batch, self.engine, self.config, _seed(self.config.train.seed, iteration, 0x2E))
+            share_step_choices(
+                batch, self.engine, self.config, _seed(self.config.train.seed, iteration, 0x2E)
+            )
         return batch
 
     def data_position(self, iteration: int) -> int:
@@ -195,82 +208,20 @@ class FlowGRPOTrainer:
     def collect(
         self, batch: dict[str, Any]
     ) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Rollout, rewards, advantages ``[B]`` and old log-probs ``[B, W]`` for a prepared batch."""
-        g = self.config.flowgrpo
-        dance = g.algorithm == "dance_grpo"
-        with self.engine.eval_mode():
-            traj = rollout(
-                self.engine,
-                self.adapter,
-                self._cond(batch),
-                batch["latents"],
-                self.schedule,
-                batch["window_start"],
-                self.schedule.num_steps if dance else g.window_size,
-                self.rule,
-                torch.Generator().manual_seed(batch["sde_seed"]),
-                g.cfg_scale,
-                final_is_prediction=dance,
-            )
-            traj.train_steps, traj.host_steps = batch.get("train_steps"), batch.get("train_steps_host")
-            if self.engine.debug_checks:
-                self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
-            rewards, per_reward = self.score(traj.final, batch)
-            old_log_probs = traj.rollout_log_probs()
-            if g.recompute_old_log_probs:
-                everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
-                old_log_probs = torch.stack(
-                    [
-                        evaluate_window_step(
-                            route(self.engine, traj.host_step(k)),
-                            self.adapter,
-                            *traj.step_latents(everyone, k)[1:],
-                            self.schedule,
-                            traj.steps()[:, k],
-                            self._cond(batch),
-                            self.rule,
-                            g.cfg_scale,
-                        ).log_prob
-                        for k in range(traj.steps().shape[1])
-                    ],
-                    dim=1,
-                )
-        # rewards, advantages and their statistics stay on the device (read once, below)
-        device = traj.latents.device
-        all_groups = self._gather_dp(to_device(batch["group_ids"], device))
-        # the total and each reward in one gather: [B, 1 + R]
-        table = self._gather_dp(to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))
-        all_rewards = table[:, 0].contiguous()
-        # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
-        advantages_all = group_advantages(
-            all_rewards,
-            all_groups,
-            std="group" if dance else "batch",
-            eps=1e-8 if dance else 1e-4,
-            clip=g.adv_clip_max,
-            correction=1 if dance else 0,
-        )
-        b = rewards.shape[0]
-        advantages = advantages_all[self.engine.dp_rank * b : (self.engine.dp_rank + 1) * b]
-        if g.drop_zero_advantage:
-            # read by update(); seeded from the batch, so SP peers (which share it) keep the same samples
-            batch["kept_indices"] = kept_samples(
-                advantages_all,
-                self.engine.dp_rank,
-                self.engine.dp_size,
-                g.mini_batches,
-                batch["shuffle_seed"] + 1,
-            )
-        stats = {
-            "reward_mean": all_rewards.mean(),
-            "reward_std": all_rewards.std(correction=0),
-            "zero_advantage_fraction": (advantages_all == 0).double().mean(),
-        }
-        if len(per_reward) > 1 or (per_reward and self.config.flowgrpo.rewards):
-            stats.update({f"reward/{name}": table[:, 1 + j].mean() for j, name in enumerate(per_reward)})
-        return traj, advantages, old_log_probs.detach(), fetch_scalars(stats)
+        """Rollout, old log-probs ``[B, T]`` (both on weights gathered once: ``rollout.gather_params``), then
+        rewards and advantages ``[B]``, for a prepared batch (``collect.py``)."""
+        return collect(self, batch)
 
-    def score(self, final: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def weight_holder(self) -> WeightHolder:
+        """Holds a rollout's weights gathered from its first forward to its end where ``rollout.gather_params``
+        chose so (decided once per run, the same on every rank: ``guidance.gathers_once``)."""
+        if self._gather_once is None:
+            self._gather_once = gathers_once(self.config.rollout.gather_params, self.engine)
+        return WeightHolder(self._gather_once)
+
+    def score(
+        self, final: torch.Tensor, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The total reward ``[B]`` (float32) of the final latents and each reward's scores (``reward_scoring``;
         split over the SP group, identical on its ranks), on the latents' device."""
         if self.reward is not None:
@@ -279,13 +230,7 @@ class FlowGRPOTrainer:
         return to_device(total, final.device), to_device(each, final.device)
 
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
-        if self.engine.dp_group is None or self.engine.dp_size == 1:
-            return t
-        group = self.engine.dp_group
-        mine = to_device(t, collective_device(group))
-        gathered = mine.new_empty((self.engine.dp_size * mine.shape[0], *mine.shape[1:]))  # rank-major
-        dist.all_gather_into_tensor(gathered, mine, group=group)
-        return to_device(gathered, t.device)
+        return gather_dp(self.engine, t)
 
     def update(
         self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
@@ -304,6 +249,7 @@ class FlowGRPOTrainer:
             lambda idx: self._cond(batch, idx),
             batch["shuffle_seed"],
             batch.get("kept_indices"),
+            self.config.rollout.cfg_batch,
         )
         if metrics["trained_samples"] == 0:  # every advantage 0 on every rank: no step anywhere
             lr = self.engine.optimizer.param_groups[0]["lr"]
@@ -333,11 +279,12 @@ class FlowGRPOTrainer:
         extra = self.engine.load_checkpoint(self.ckpt_dir)
         self.start_iteration = int(extra.get("iteration", 0))
         # checkpoints older than data files: the position an unchanged layout reaches
-        self.data_base = (self.start_iteration, int(extra.get("data_position", self.data_position(self.start_iteration))))
+        self.data_base = (
+            self.start_iteration,
+            int(extra.get("data_position", self.data_position(self.start_iteration))),
+        )
         if self.rank == 0:
-            print(
-                f"resumed from {latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True
-            )
+            print(f"resumed from {latest(self.ckpt_dir)} at iteration {self.start_iteration}", flush=True)
         self.log.truncate(self.start_iteration)
 
     def save(self, iteration: int) -> Path:
@@ -373,11 +320,16 @@ class FlowGRPOTrainer:
         if c.progress:
             self.log.start_progress(c.iterations, self.start_iteration)
         for it in range(self.start_iteration, c.iterations):
-            metrics = self.train_iteration(it)
-            if c.eval_every and (it + 1) % c.eval_every == 0:
-                metrics.update(self.evaluator.evaluate())
-            if c.sample_every and (it + 1) % c.sample_every == 0:
-                self.evaluator.write_samples(it + 1)
+            with self.ledger.recording():
+                metrics = self.train_iteration(it)
+                if c.eval_every and (it + 1) % c.eval_every == 0:
+                    metrics.update(self.evaluator.evaluate())
+                if c.sample_every and (it + 1) % c.sample_every == 0:
+                    self.evaluator.write_samples(it + 1)
+            metrics.update(
+                as_metrics(self.ledger.take())
+            )  # this rank's collectives, as metrics.jsonl keeps them
+            metrics["rollout_gathered_once"] = float(bool(self._gather_once))
             self.log.append(metrics)  # and the progress bar
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
                 self.save(it + 1)

@@ -20,6 +20,7 @@ import torch
 
 from ..devices import fetch_scalars, to_device
 from ..engine import FSDPEngine
+from ..ledger import comm_phase
 from .config import FlowGRPOConfig
 from .experts import route
 from .loss import flowgrpo_loss
@@ -61,6 +62,7 @@ def window_step_loss(
     advantages: torch.Tensor,
     old_log_probs: torch.Tensor,
     normalizer: float,
+    cfg_batch: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (+ KL to the adapters-off reference) of the k-th trained step of samples ``idx``
     (the ``loss_fn`` form ``FSDPEngine.forward_backward`` takes; the engine's batch argument is unused)."""
@@ -68,13 +70,13 @@ def window_step_loss(
 
     def evaluate():
         return evaluate_window_step(
-            engine, adapter, latents, next_latents, schedule, steps, cond, rule, g.cfg_scale
+            engine, adapter, latents, next_latents, schedule, steps, cond, rule, g.cfg_scale, cfg_batch
         )
 
     step = evaluate()
     kl_args = {}
     if g.kl_coef > 0:
-        with torch.no_grad(), engine.adapters_disabled():
+        with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
             ref = evaluate()  # the reference policy: the base model, adapters off
         kl_args = dict(
             prev_sample_mean=step.prev_sample_mean,
@@ -104,6 +106,7 @@ def policy_update(
     cond_of: CondFn,
     shuffle_seed: int,
     indices: torch.Tensor | None = None,
+    cfg_batch: bool = True,
 ) -> dict[str, float]:
     """``g.inner_epochs`` passes over the rollout's samples ``indices`` (default: all) in ``g.mini_batches``
     optimizer steps; metrics averaged over every (micro-batch, trained step), plus the last step's optimizer
@@ -141,6 +144,7 @@ def policy_update(
                         advantages=advantages,
                         old_log_probs=old_log_probs,
                         normalizer=normalizer,
+                        cfg_batch=cfg_batch,
                     )
                     # two experts: the one that runs this step (the same on every rank: experts.py)
                     for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():

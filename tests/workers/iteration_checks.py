@@ -1,0 +1,105 @@
+"""The RL iteration on real gloo ranks: rollouts (and the old log-probs they recompute) with weights gathered once
+against per-step gathers, classifier-free guidance in one forward against two, and one iteration's communication
+ledger as the number of steps and CFG change. Each function returns plain data; the parent asserts."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.workers.engine_steps import _config, _quiet, _trainer
+
+
+def _kind_config(sp: int, kind: str, **flowgrpo):
+    c = _config(sp, False, kind=kind, **flowgrpo)
+    if kind == "wan":
+        c.model.frames, c.text.max_sequence_length, c.flowgrpo.reward = 2, 16, "video_color"
+    if kind == "flux":  # the built-in text encoder gives no pooled CLIP input: the masked mean stands in (32 wide)
+        c.model.overrides["pooled_projection_dim"] = 32
+        c.text.max_sequence_length = 16
+    return c
+
+
+def _collect(trainer, batch, gather: bool, cfg_batch: bool) -> dict:
+    trainer._gather_once, trainer.config.rollout.cfg_batch = gather, cfg_batch
+    traj, adv, old, stats = trainer.collect(dict(batch))
+    return {
+        "final": traj.final.cpu(),
+        "log_probs": traj.log_probs.cpu(),
+        "old": old.cpu(),
+        "advantages": adv.cpu(),
+        "reward_mean": stats["reward_mean"],
+    }
+
+
+def _branch_diffs(trainer, batch) -> dict[str, float]:
+    """Each branch's raw velocity at the first step: its own forward against its half of the batched forward."""
+    from sp_diffusers.flowgrpo.guidance import paired
+
+    engine, adapter = trainer.engine, trainer.adapter
+    cond = trainer._cond(batch)
+    x, t = batch["latents"].float(), trainer.schedule.timesteps[0]
+    names = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds")
+
+    def forward(x, text, prefix=""):
+        embeds, mask, pooled = (text.get(prefix + n) for n in names)
+        return engine.forward(**adapter.inputs(x, t, embeds, mask, pooled)).float()
+
+    with engine.eval_mode():
+        v_cond, v_uncond = forward(x, cond), forward(x, cond, "negative_")
+        both_cond, both_uncond = forward(torch.cat([x, x]), paired(cond)).chunk(2)
+    return {
+        "cond": (both_cond - v_cond).abs().max().item(),
+        "uncond": (both_uncond - v_uncond).abs().max().item(),
+        "scale": max(v_cond.abs().max().item(), v_uncond.abs().max().item()),
+    }
+
+
+def rollout_modes(rank: int, world: int, sp: int, kinds: list[str]) -> dict:
+    """Per family, one prepared batch with CFG (scale 4) collected four ways: {per-step, once} x {two forwards,
+    one}; the differences to the per-step, two-forward collection (today's), and which lengths the texts had."""
+    _quiet()
+    out: dict = {}
+    for kind in kinds:
+        trainer = _trainer(_kind_config(sp, kind, cfg_scale=4.0))
+        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+        ref = _collect(trainer, batch, gather=False, cfg_batch=False)
+        diffs = {}
+        for gather in (False, True):
+            for cfg_batch in (False, True):
+                got = _collect(trainer, batch, gather, cfg_batch)
+                diffs[f"gather={gather},cfg_batch={cfg_batch}"] = {
+                    k: (got[k] - ref[k]).abs().max().item() if torch.is_tensor(ref[k]) else abs(got[k] - ref[k])
+                    for k in ref
+                }
+        out[kind] = {
+            "diffs": diffs,
+            "branches": _branch_diffs(trainer, batch),
+            "text_lengths": (batch["prompt_embeds"].shape[1], batch["negative_prompt_embeds"].shape[1]),
+            "ragged": len({int(m.sum()) for m in batch["prompt_embeds_mask"]}) > 1,
+        }
+    return out
+
+
+def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str, dict]) -> dict:
+    """One training iteration per run (``{name: {flowgrpo key: value, "rollout": {key: value}}}``): this rank's
+    ledger (``(phase, kind) -> (calls, bytes)``, as strings) and the reward, for the same first batch."""
+    from sp_diffusers.ledger import CommLedger
+
+    _quiet()
+    out: dict = {}
+    for name, settings in runs.items():
+        settings = dict(settings)
+        rollout = settings.pop("rollout", {})
+        config = _kind_config(sp, kind, drop_zero_advantage=False, **settings)
+        for key, value in rollout.items():
+            setattr(config.rollout, key, value)
+        trainer = _trainer(config)
+        ledger = CommLedger()
+        with ledger.recording():
+            metrics = trainer.train_iteration(0)
+        out[name] = {
+            "ledger": {f"{p}/{k}": v for (p, k), v in ledger.take().items()},
+            "reward_mean": metrics["reward_mean"],
+            "gathered_once": trainer._gather_once,
+        }
+    return out
