@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from .hardware import GPUS, hardware
+from .iteration import RLKnobs
 from .models import BUILTIN, PlanError, resolve_model
 from .planner import GIB, LayoutPlan, Plan, PlanRequest, make_plan
 from .shapes import workload_from_pixels, workload_from_tokens
@@ -53,6 +54,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument(
         "--dtype", choices=("bf16", "fp32"), default="bf16", help="compute precision (default bf16)"
     )
+    rl = p.add_argument_group("RL iteration (--rl): the trainer's keys in parentheses")
+    rl.add_argument("--rl", action="store_true", help="plan a FlowGRPO iteration, not one train step")
+    rl.add_argument(
+        "--num-steps", type=int, default=16, help="denoising steps per rollout (flowgrpo.num_steps)"
+    )
+    rl.add_argument(
+        "--cfg-scale", type=float, default=1.0, help="> 1: classifier-free guidance (flowgrpo.cfg_scale)"
+    )
+    rl.add_argument(
+        "--trained-steps", type=int, default=2, help="SDE steps trained per sample (flowgrpo.window_size)"
+    )
+    rl.add_argument("--group-size", type=int, default=16, help="samples per prompt (flowgrpo.group_size)")
+    rl.add_argument(
+        "--prompts-per-rank",
+        type=int,
+        default=1,
+        help="prompts per data-parallel rank (flowgrpo.prompts_per_rank)",
+    )
+    rl.add_argument(
+        "--gather",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="rollout weights gathered once (always), per step (never), or once where they fit (auto; "
+        "rollout.gather_params)",
+    )
+    rl.add_argument("--kl", action="store_true", help="a KL reference forward per trained step (LoRA)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument(
@@ -92,6 +119,23 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         reserve_gib=args.reserve,
         target=args.target,
         workers=args.workers,
+        rl=_rl_knobs(args),
+    )
+
+
+def _rl_knobs(args: argparse.Namespace) -> RLKnobs | None:
+    if not getattr(args, "rl", False):
+        return None
+    if not args.cfg_scale >= 1.0:
+        raise PlanError(f"--cfg-scale {args.cfg_scale} is invalid: >= 1 (1: no CFG)")
+    return RLKnobs(
+        num_steps=args.num_steps,
+        cfg=args.cfg_scale > 1.0,
+        trained_steps=args.trained_steps,
+        group_size=args.group_size,
+        prompts_per_rank=args.prompts_per_rank,
+        gather=args.gather,
+        kl=args.kl,
     )
 
 
@@ -112,6 +156,8 @@ def selection(p: LayoutPlan, req: PlanRequest) -> dict[str, Any]:
     if req.lora_rank:
         engine["lora"] = f"LoraSettings(rank={req.lora_rank})"
         keys.update({"lora.enabled": True, "lora.rank": req.lora_rank})
+    if req.rl is not None and p.iteration:
+        keys["rollout.gather_params"] = "always" if p.iteration["rollout_gathers_once"] else "never"
     verl = {
         "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": p.ulysses,
         "actor_rollout_ref.model.ring_degree": p.ring,
@@ -175,6 +221,8 @@ def print_table(plan: Plan, seconds: float, file: Any = None) -> None:
         file=out,
     )
     print(file=out)
+    if req.rl is not None:
+        print_iterations(plan, out)
     head = " ulysses ring  dp ckpt |  peak GiB  params   grads   optim   activ buffers | rollout |  fits | step s samples/s"
     print(head, file=out)
     print("-" * len(head), file=out)
@@ -218,6 +266,42 @@ def print_table(plan: Plan, seconds: float, file: Any = None) -> None:
     for note in plan.notes:
         print(f"  - {note}", file=out)
     print(f"({len(plan.layouts)} layouts traced in {seconds:.0f} s)", file=out)
+
+
+def print_iterations(plan: Plan, out: Any) -> None:
+    """plan --rl: each layout's iteration - seconds by phase, images per GPU per second, GB moved per kind."""
+    rl = plan.request.rl
+    assert rl is not None
+    print(
+        f"  RL iteration: {rl.samples} samples per data-parallel rank ({rl.prompts_per_rank} prompts x group "
+        f"{rl.group_size}), {rl.num_steps} steps{' with CFG in one forward' if rl.cfg else ''}, {rl.trained_steps} "
+        f"trained per sample, micro-batch {plan.request.work.batch}",
+        file=out,
+    )
+    head = (
+        " ulysses ring  dp ckpt | once | rollout s  old s  train s   iter s | img/GPU/s |"
+        " gather GB reduce GB activ GB"
+    )
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for p in sorted(plan.layouts, key=lambda p: (not p.fits, -p.iteration["images_per_gpu_second"])):
+        it, sec = p.iteration, p.iteration["seconds"]
+        moved = {k: sum(v.get(k, [0, 0])[1] for v in it["ledger"].values()) / 1e9 for k in _KINDS}
+        print(
+            f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
+            f" {'yes ' if it['rollout_gathers_once'] else ' no '} | {sec['rollout']:9.2f} {sec['old_log_probs']:6.2f}"
+            f" {sec['train']:8.2f} {sec['total']:8.2f} | {it['images_per_gpu_second']:9.3f} |"
+            f" {moved['param_gather']:9.2f} {moved['grad_reduce']:9.2f} {moved['activation']:8.2f}"
+            + ("" if p.fits else "  (does not fit)"),
+            file=out,
+        )
+    print(
+        "  (GB: what one GPU sends per iteration, as the trainer's ledger counts it; the per-phase ledger: --json)\n",
+        file=out,
+    )
+
+
+_KINDS = ("param_gather", "grad_reduce", "activation")
 
 
 def _yaml(v: Any) -> str:

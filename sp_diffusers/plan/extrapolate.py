@@ -7,7 +7,8 @@ the last feeds the head, and FSDP keeps the previous block's reduce-scatter buff
 backward, so a block next to the first or the last one differs too. Runs with three blocks per list (first,
 one between, last: the ends have ordinary neighbours) and with four in one list (two between, each next to an
 end, as the blocks of the whole model that hold the most) show every kind. The whole model is then, place by
-place, the three-block run plus ``N - 3`` times what the fourth block added; the places between lie on a line in
+place, the three-block run plus ``N - 3`` times what the fourth block added (and so are the collectives an
+iteration's pieces count, ``plan/iteration.py``: calls and bytes per block, exactly); the places between lie on a line in
 the block index whose ends grow like the first and the last place, so the highest of them is the four-block
 run's, grown by the steeper of the two. ``tests/test_plan_shortcut.py`` holds this to full traces.
 """
@@ -81,4 +82,22 @@ def combine(lists: dict[str, int], measures: list[Measure]) -> Measure:
     for key in set(base.comm).union(*(variants[n].comm for n in grown)):
         b = base.comm.get(key, 0.0)
         comm[key] = max(0.0, b + sum(extra[n] * (variants[n].comm.get(key, 0.0) - b) for n in grown))
-    return Measure(places, max(0, flops), comm)
+    pieces = {name: _grown_ledger(lists, base, variants, name) for name in base.pieces}
+    per_step = combine(lists, [m.per_step for m in measures]) if base.per_step is not None else None
+    return Measure(places, max(0, flops), comm, pieces, per_step)
+
+
+def _grown_ledger(lists: dict[str, int], base: Measure, variants: dict[str, Measure], piece: str) -> dict:
+    """A ledger piece of the whole model: calls and bytes grow by what one more block adds (integers, exact)."""
+    out = {}
+    keys = set(base.pieces[piece]).union(*(v.pieces[piece] for v in variants.values()))
+    for key in keys:
+        b = base.pieces[piece].get(key, (0, 0))
+        value = list(b)
+        for name, v in variants.items():
+            more = v.pieces[piece].get(key, (0, 0))
+            for i in (0, 1):
+                value[i] += (lists[name] - BASE) * (more[i] - b[i])
+        if value[0]:
+            out[key] = (value[0], value[1])
+    return out

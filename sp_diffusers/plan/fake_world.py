@@ -175,12 +175,19 @@ def mesh_outside_fake_mode() -> Iterator[None]:
 _SPLITS: dict[tuple[int, int], list[int]] = {}  # (ranks, rank 0's length) -> every rank's length
 
 
-def _symmetric_gather_ints(values: Any, group: Any, device: Any) -> list[list[int]]:
-    world = dist.get_world_size(group)
-    columns = [_SPLITS.get((world, int(v))) for v in values]
-    if values and all(c is not None for c in columns):  # local lengths of sharded sequences
-        return [[c[r] for c in columns] for r in range(world)]  # type: ignore[index]
-    return [list(values) for _ in range(world)]
+def _symmetric_gather_ints(original: Any) -> Any:
+    def gather(values: Any, group: Any, device: Any) -> list[list[int]]:
+        # the real collective on the fake group, outside fake mode: it moves nothing and its result is not read,
+        # but a recording ledger counts it as the job's would be (sp_diffusers.ledger)
+        with unset_fake_temporarily():
+            original(values, group, "cpu")
+        world = dist.get_world_size(group)
+        columns = [_SPLITS.get((world, int(v))) for v in values]
+        if values and all(c is not None for c in columns):  # local lengths of sharded sequences
+            return [[c[r] for c in columns] for r in range(world)]  # type: ignore[index]
+        return [list(values) for _ in range(world)]
+
+    return gather
 
 
 @contextlib.contextmanager
@@ -210,8 +217,9 @@ def symmetric_small_gathers() -> Iterator[None]:
 
     _SPLITS.clear()
     try:
+        symmetric = _symmetric_gather_ints(original)
         for module in bound:
-            module.gather_ints = _symmetric_gather_ints
+            module.gather_ints = symmetric
         sharder.shard = classmethod(recording_shard)
         yield
     finally:
@@ -230,13 +238,44 @@ def _fit(sizes: list[int], length: int) -> list[int]:
     return sizes
 
 
+def _from_streams(sizes: list[int]) -> list[int]:
+    """Every rank's length of a call whose sequence is made of streams the plan split in this forward (Qwen-Image's
+    text + image), found from this rank's length: the largest set of recorded streams whose rank-0 lengths add up
+    to it, summed rank by rank (a real job learns these once by a handshake: ``forward_scope.py``). Unchanged
+    when the forward split evenly or no set adds up."""
+    from itertools import combinations
+
+    from .. import forward_scope
+
+    scope = forward_scope.current()
+    if scope is None or scope.even or not scope.splits:
+        return sizes
+    streams = list(scope.splits.values())
+    for n in range(len(streams), 0, -1):
+        for chosen in combinations(streams, n):
+            if sum(c[0] for c in chosen) == sizes[0]:
+                return [sum(c[r] for c in chosen) for r in range(len(sizes))]
+    return sizes
+
+
+def _local_mask_shape(shape: tuple[int, ...], layout: Any, q: int, kv: int) -> tuple[int, ...]:
+    """Rank 0's mask shape as a rank holding ``q`` queries and ``kv`` keys has it (local-length dims only)."""
+    out = list(shape)
+    if len(out) >= 1 and out[-1] == layout.kv_sizes[0] != 1:
+        out[-1] = kv
+    if len(out) == 4 and out[-2] == layout.q_sizes[0] != 1:
+        out[-2] = q
+    return tuple(out)
+
+
 @contextlib.contextmanager
 def fake_attention_agreement() -> Iterator[None]:
-    """The lengths of an ``ulysses_sdpa`` call fitted to its mask. On the fake process group no rank learns its
-    peers' lengths: every rank is taken to hold this rank's, which is right for even shards but one token long
+    """The lengths of an ``ulysses_sdpa`` call as a job's ranks hold them. On the fake process group no rank learns
+    its peers' lengths: every rank is taken to hold this rank's, which is right for even shards but one token long
     per trailing rank for uneven ones, and a joint text+video mask (HunyuanVideo) has the true global length, so
-    the call would be refused ("fits neither local nor global lengths"). Here the lengths are fitted to the
-    mask's global length, as ``torch.tensor_split`` leaves them."""
+    the call would be refused ("fits neither local nor global lengths"). Here the lengths are fitted to a mask's
+    global length, as ``torch.tensor_split`` leaves them, or else made of the streams the forward split
+    (:func:`_from_streams`): the bytes each rank sends are then the job's, to the byte."""
     from .. import attention
     from ..handshake import CallLayout
 
@@ -244,10 +283,15 @@ def fake_attention_agreement() -> Iterator[None]:
 
     def agree(query: Any, key: Any, attn_mask: Any, *args: Any) -> CallLayout:
         layout = original(query, key, attn_mask, *args)
-        if attn_mask is None or attn_mask.dim() < 2:
-            return layout
-        q = _fit(layout.q_sizes, attn_mask.shape[-2]) if attn_mask.dim() == 4 else layout.q_sizes
-        return CallLayout(q, _fit(layout.kv_sizes, attn_mask.shape[-1]), layout.mask_shapes)
+        q, kv = _from_streams(list(layout.q_sizes)), _from_streams(list(layout.kv_sizes))
+        if attn_mask is not None and attn_mask.dim() >= 2:
+            kv = _fit(kv, attn_mask.shape[-1])
+            if attn_mask.dim() == 4:
+                q = _fit(q, attn_mask.shape[-2])
+        shapes = layout.mask_shapes
+        if shapes is not None:  # a mask at the local lengths has every rank's own
+            shapes = tuple(_local_mask_shape(shapes[0], layout, q[r], kv[r]) for r in range(len(shapes)))
+        return CallLayout(tuple(q), tuple(kv), shapes)
 
     attention.agree = agree
     try:

@@ -11,11 +11,12 @@ the rollout's forward without grad on the same GPUs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .extrapolate import combine, shortcut_counts
 from .hardware import Hardware, step_seconds
+from .iteration import Pieces, RLKnobs, compose, iteration_seconds
 from .models import ModelSpec, PlanError
 from .shapes import Workload
 from .trace import Measure, TraceRequest, block_lists
@@ -42,6 +43,9 @@ class PlanRequest:
     target: str = "cuda"  # "cpu": predict a CPU process (the accuracy benchmark)
     workers: int | None = None  # trace processes; None: one per CPU core (at most 4); 1: in this process
     shortcut: bool = True  # the block shortcut; False traces the whole model (slow; tests)
+    rl: RLKnobs | None = (
+        None  # plan --rl: the RL iteration (plan/iteration.py); work.batch is the micro-batch
+    )
 
     @property
     def reserve(self) -> float:
@@ -66,6 +70,7 @@ class LayoutPlan:
     step: dict[str, float] = field(default_factory=dict)
     samples_per_second: float = 0.0
     fits: bool = False
+    iteration: dict[str, Any] = field(default_factory=dict)  # plan --rl: seconds by phase, throughput, ledger
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,6 +89,7 @@ class LayoutPlan:
             "samples_per_second": self.samples_per_second,
             "flops_per_gpu": self.flops,
             "comm_bytes_per_gpu": dict(self.comm_bytes),
+            **({"iteration": self.iteration} if self.iteration else {}),
         }
 
 
@@ -150,6 +156,8 @@ def _check(req: PlanRequest) -> None:
         raise PlanError(
             f"--lora-rank {req.lora_rank!r} is invalid: a positive integer (leave it out for full fine-tuning)"
         )
+    if req.rl is not None:
+        req.rl.check(req.work.batch, req.lora_rank is not None)
     if req.reserve_gib is not None and not 0 <= req.reserve_gib < req.hardware.memory_gib:
         raise PlanError(
             f"--reserve {req.reserve_gib} GiB must be >= 0 and below --gpu-memory {req.hardware.memory_gib}"
@@ -158,6 +166,8 @@ def _check(req: PlanRequest) -> None:
 
 def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
     counts = shortcut_counts(lists) if req.shortcut else [lists]
+    # --rl: a training micro-step runs both CFG branches in one forward
+    work = replace(req.work, batch=req.work.batch * 2) if req.rl is not None and req.rl.cfg else req.work
     tasks = []
     for u, r in layouts(req):
         for i, ckpt in enumerate(_checkpointing(req)):
@@ -165,7 +175,7 @@ def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
                 tasks.append(
                     TraceRequest(
                         req.spec,
-                        req.work,
+                        work,
                         req.gpus,
                         u,
                         r,
@@ -175,6 +185,7 @@ def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
                         req.target,
                         tuple(c.items()),
                         rollout=i == 0,
+                        rl=req.rl,
                     )
                 )
     return tasks
@@ -268,6 +279,9 @@ def _layout_plan(
     step = step_seconds(req.hardware, req.dtype, train.flops, train.comm)
     dp = req.gpus // (u * r)
     limit = (req.hardware.memory_gib - req.reserve) * GIB
+    iteration = {}
+    if req.rl is not None:
+        iteration, rollout_parts = _iteration(req, u * r, train, rollout, resident, extras, limit, step)
     return LayoutPlan(
         u,
         r,
@@ -283,7 +297,41 @@ def _layout_plan(
         step=step,
         samples_per_second=dp * req.work.batch / step["total"] if step["total"] > 0 else 0.0,
         fits=parts["total"] <= limit and rollout_parts["total"] <= limit,
+        iteration=iteration,
     )
+
+
+def _iteration(
+    req: PlanRequest,
+    sp: int,
+    train: Measure,
+    rollout: Measure,
+    resident: dict,
+    extras: tuple[int, int],
+    limit: float,
+    step: dict[str, float],
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """plan --rl: whether the rollout holds its weights (``rollout.gather_params``: auto = where its peak with them
+    fits), the iteration's seconds by phase and ledger, images per GPU per second; and the rollout's peak parts."""
+    rl = req.rl
+    assert rl is not None
+    _, held_parts = _peak(_adjusted(rollout, extras[0], extras[0], resident))
+    held = rl.gather == "always" or (rl.gather == "auto" and held_parts["total"] <= limit)
+    measure = rollout if held or rollout.per_step is None else rollout.per_step
+    _, rollout_parts = _peak(_adjusted(measure, extras[0], extras[0], resident))
+    forward = step_seconds(req.hardware, req.dtype, rollout.flops, rollout.comm)
+    seconds = iteration_seconds(forward, step, forward["fsdp_comm"], rl, req.work.batch, held)
+    ledger = compose(Pieces(**train.pieces), rl, req.work.batch, held)
+    by_phase: dict[str, dict[str, list[int]]] = {}
+    for (phase, kind), (calls, nbytes) in sorted(ledger.items()):
+        by_phase.setdefault(phase, {})[kind] = [calls, nbytes]
+    return {
+        "rollout_gathers_once": held,
+        "rollout_peak_bytes_held": held_parts["total"],
+        "seconds": seconds,
+        "images_per_gpu_second": rl.samples / (sp * seconds["total"]) if seconds["total"] > 0 else 0.0,
+        "ledger": by_phase,
+    }, rollout_parts
 
 
 def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
@@ -304,7 +352,10 @@ def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
             rollouts[(u, r)] = combine(lists, [m[1] for m in chunk]) if req.shortcut else chunk[0][1]
         plans.append(_layout_plan(req, u, r, ckpt, train, rollouts[(u, r)], extras))
     fitting = [p for p in plans if p.fits]
-    best = max(fitting, key=lambda p: (p.samples_per_second, -p.peak_bytes)) if fitting else None
+    if req.rl is not None:  # the iteration's throughput, not one train step's
+        best = max(fitting, key=lambda p: (p.iteration["images_per_gpu_second"], -p.peak_bytes), default=None)
+    else:
+        best = max(fitting, key=lambda p: (p.samples_per_second, -p.peak_bytes)) if fitting else None
     return Plan(req, plans, best, _notes(req))
 
 
@@ -331,6 +382,15 @@ def _notes(req: PlanRequest) -> list[str]:
         notes.append(
             f"{req.spec.experts} experts: one trains per step, the others' sharded parameters and "
             "optimizer state stay resident"
+        )
+    if req.rl is not None:
+        rl = req.rl
+        notes.append(
+            f"iteration (--rl): rollout = {rl.num_steps} forwards at batch {rl.samples}{' x 2 (CFG)' if rl.cfg else ''}"
+            f", old log-probs = {rl.trained_steps} more, training = {rl.samples // req.work.batch} micro-batches x "
+            f"{rl.trained_steps} trained steps (forward + backward); reward scoring, decoding and the trainer's own "
+            "batch and reward exchanges are not included; images/GPU/s = samples per data-parallel rank / (SP "
+            "degree x iteration seconds)"
         )
     notes += list(req.spec.notes[1:] if req.spec.experts > 1 else req.spec.notes)
     return notes

@@ -60,6 +60,9 @@ class TraceRequest:
     target: str = "cuda"  # "cuda": a GPU's allocation habits (foreach AdamW, no cached send buffers); "cpu"
     blocks: tuple[tuple[str, int], ...] = ()  # block counts to build; () = the spec's own
     rollout: bool = True
+    # plan --rl: the iteration's knobs (plan/iteration.py); the rollout is then traced at its own batch with the
+    # weights held gathered, and the iteration's pieces are counted (Measure.pieces of the train measure)
+    rl: Any = None
 
 
 @dataclass
@@ -69,6 +72,10 @@ class Measure:
     places: dict[Place, dict[str, int]]
     flops: int
     comm: dict[tuple[str, int], float] = field(default_factory=dict)
+    pieces: dict[str, dict[tuple[str, str], tuple[int, int]]] = field(
+        default_factory=dict
+    )  # plan --rl ledgers
+    per_step: Measure | None = None  # plan --rl's rollout: the forward with per-forward gathers (this: held)
 
 
 def block_lists(spec: ModelSpec) -> dict[str, int]:
@@ -210,7 +217,9 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
                     raise batch["error"] from None
                 raise
             rollout = None
-            if req.rollout:
+            if req.rl is not None:
+                rollout, train.pieces = _iteration(req, engine, lists)
+            elif req.rollout:
                 rollout = _traced(engine, lists, inputs, lambda: _rollout(engine, inputs))
     finally:
         if model is not None:
@@ -223,6 +232,33 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
         if freeze:
             gc.unfreeze()
     return train, rollout
+
+
+def _iteration(req: TraceRequest, engine: Any, lists: dict[str, int]) -> tuple[Measure, dict]:
+    """plan --rl: a rollout forward at the rollout's batch with the weights held (its peak holds them all), then
+    the iteration's pieces, counted (``plan/iteration.py``)."""
+    from .iteration import iteration_inputs, trace_pieces
+
+    rl = req.rl
+    make = iteration_inputs(req.spec, engine.model, req.work)
+    micro = req.work.batch // (2 if rl.cfg else 1)  # the train trace's batch holds both CFG branches
+    rollout_inputs = make(rl.samples * (2 if rl.cfg else 1), torch.tensor(500.0))
+    engine.model.reshard()
+
+    def held_forward() -> None:
+        with engine.eval_mode(), engine.gathered_params():
+            engine.forward(**rollout_inputs)
+
+    def per_step_forward() -> None:
+        with engine.eval_mode():
+            engine.forward(**rollout_inputs)
+
+    rollout = _traced(engine, lists, rollout_inputs, held_forward)
+    if rl.gather != "always":
+        engine.model.reshard()
+        rollout.per_step = _traced(engine, lists, rollout_inputs, per_step_forward)
+    pieces = trace_pieces(engine, make, rl, micro, req.lora_rank is not None)
+    return rollout, pieces.as_dict()
 
 
 def _rollout(engine: Any, inputs: dict[str, Any]) -> None:

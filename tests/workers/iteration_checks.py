@@ -97,9 +97,18 @@ def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str,
         ledger = CommLedger()
         with ledger.recording():
             metrics = trainer.train_iteration(0)
+            first = ledger.take()
+            # again on the same batch: the steady state, where an uneven text length's layouts are known (the first
+            # forward with a new length learns them once: a few small gathers, ``forward_scope.py``)
+            trainer.train_iteration(0)
+        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+        text = [batch[k].shape[1] for k in ("prompt_embeds", "negative_prompt_embeds") if k in batch]
         out[name] = {
-            "ledger": {f"{p}/{k}": v for (p, k), v in ledger.take().items()},
+            "ledger": {f"{p}/{k}": v for (p, k), v in first.items()},
+            "steady": {f"{p}/{k}": v for (p, k), v in ledger.take().items()},
             "reward_mean": metrics["reward_mean"],
             "gathered_once": trainer._gather_once,
+            "text_len": max(text),  # what the model sees (CFG: both branches padded to the longer)
+            "layers": trainer.engine.model.config.num_layers,
         }
     return out

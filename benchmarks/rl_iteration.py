@@ -1,0 +1,124 @@
+"""One FlowGRPO iteration before and after the rollout's weights are gathered once and CFG runs as one forward.
+
+    python benchmarks/rl_iteration.py [--workload image video] [--steps 16] [--cfg 4] [--repeats 3] [--json out.json]
+
+Two workloads at SP = 2 on 2 ranks (FSDP2 over both), each a trainer built twice on the same config, differing
+only in ``rollout.*``:
+
+- ``before``: ``rollout.gather_params: never`` and ``rollout.cfg_batch: false`` - every denoising step gathers
+  every block, CFG runs two forwards (the iteration as it was);
+- ``after``: the defaults, ``auto`` (the tiny models fit: gathered once) and ``true``.
+
+``image`` is the README's main job (tiny Qwen-Image, 2 layers, ragged byte-level prompts, 2 prompts x group 4
+per rank); ``video`` the video step's narrow Wan (2 layers, 16 latent frames of 32 x 32, patch (1, 2, 2): 16 x 16 x 16 =
+4096 video tokens), 1 prompt x group 2. Both at ``--steps`` denoising steps with CFG ``--cfg``,
+2 trained steps. The learning rate is 0, so every repetition repeats the same iteration. Iterations run
+interleaved (before, after, before, ...; ranks start each together) and the median is reported with the ratio; the
+ledger (``sp_diffusers.ledger``) gives rank 0's bytes per kind of one iteration of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._harness import add_device_arguments, interleaved_times, spawn, write_json
+
+NARROW_WAN = dict(
+    num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, freq_dim=32, rope_max_seq_len=64
+)
+VARIANTS = {
+    "before": {"gather_params": "never", "cfg_batch": False},
+    "after": {"gather_params": "auto", "cfg_batch": True},
+}
+
+
+def _config(workload: str, steps: int, cfg: float, rollout: dict):
+    from sp_diffusers.flowgrpo.config import TrainConfig
+
+    c = TrainConfig()
+    if workload == "video":
+        c.model.kind, c.model.image_size, c.model.frames = "wan", 32, 16
+        c.model.overrides = {**NARROW_WAN, "num_layers": 2}
+        c.text.max_sequence_length, c.flowgrpo.reward = 16, "video_color"
+        c.flowgrpo.prompts_per_rank, c.flowgrpo.group_size, c.flowgrpo.micro_batch_size = 1, 2, 1
+    else:  # the README's main job (examples/configs/tiny_qwenimage_sp2.yaml's model)
+        c.model.overrides = {"num_layers": 2}
+    c.parallel.ulysses_sequence_parallel_size = 2
+    c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = steps, cfg
+    c.flowgrpo.window_size, c.flowgrpo.window_range = 2, [1, 3]
+    c.flowgrpo.drop_zero_advantage = False  # every variant trains the same samples
+    c.optim.lr = 0.0  # the same iteration at every repetition
+    for key, value in rollout.items():
+        setattr(c.rollout, key, value)
+    c.train.out_dir, c.train.progress, c.train.plot = tempfile.mkdtemp(), False, False
+    return c
+
+
+def _rank(rank: int, world: int, workload: str, steps: int, cfg: float, repeats: int) -> dict:
+    import logging
+    import warnings
+
+    from diffusers.utils import logging as dlogging
+
+    from sp_diffusers.flowgrpo.trainer import FlowGRPOTrainer
+    from sp_diffusers.ledger import CommLedger
+
+    dlogging.set_verbosity(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    trainers = {}
+    for name, rollout in VARIANTS.items():
+        torch.manual_seed(0)
+        trainers[name] = FlowGRPOTrainer(_config(workload, steps, cfg, rollout))
+    ledgers, rewards = {}, {}
+    for name, trainer in trainers.items():
+        ledger = CommLedger()
+        with ledger.recording():
+            rewards[name] = trainer.train_iteration(0)["reward_mean"]
+        ledgers[name] = {f"{p}/{k}": list(v) for (p, k), v in ledger.take().items()}
+    times = interleaved_times(
+        {name: (lambda t=trainer: t.train_iteration(0)) for name, trainer in trainers.items()}, repeats, warmup=0
+    )
+    return {"seconds": times, "ledger": ledgers, "reward_mean": rewards}
+
+
+def _kinds(ledger: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, (_, nbytes) in ledger.items():
+        kind = key.split("/")[1]
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", nargs="+", default=["image", "video"], choices=("image", "video"))
+    p.add_argument("--steps", type=int, default=16, help="denoising steps per rollout")
+    p.add_argument("--cfg", type=float, default=4.0, help="classifier-free guidance scale (1: none)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    add_device_arguments(p)
+    args = p.parse_args(argv)
+    out = {}
+    for workload in args.workload:
+        r = spawn(_rank, 2, workload, args.steps, args.cfg, args.repeats, backend=args.backend, device=args.device)[0]
+        sec = r["seconds"]
+        kinds = {name: _kinds(ledger) for name, ledger in r["ledger"].items()}
+        out[workload] = {**r, "bytes_by_kind": kinds, "speedup": sec["before"] / sec["after"]}
+        print(f"\n{workload}: FlowGRPO iteration at SP 2, {args.steps} steps, CFG {args.cfg:g} ({args.device})")
+        for name in VARIANTS:
+            moved = "  ".join(f"{k} {v / 2**20:8.2f} MiB" for k, v in sorted(kinds[name].items()))
+            print(f"  {name:<7} {sec[name]:7.2f} s/iteration   rank 0 sends: {moved}")
+        gathers = kinds["before"].get("param_gather", 0) / max(1, kinds["after"].get("param_gather", 0))
+        print(f"  after / before: {1 / out[workload]['speedup']:.3f} of the time; parameter gathers / {gathers:.1f}")
+    write_json(args.json, {"args": vars(args), **out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The planner predicts the RL iteration's communication ledger that the trainer counts, to the byte.
+
+The trainer runs a real iteration on gloo ranks (tiny Qwen-Image with ragged prompts, so its text shards unevenly;
+tiny Wan, a video with fixed-length text) and counts every collective (``sp_diffusers.ledger``); the planner runs
+the same class at the same layout on fake tensors (``plan/iteration.py``) and composes the iteration from its
+pieces. Compared: the model's phases (rollout, old log-probs, train forward and backward, optimizer), every kind,
+calls and bytes, exactly; rank 0's view (ranks of an uneven text send different bytes, and the planner is rank 0).
+The trainer's second iteration on the same batch is compared: a text length's uneven layouts are learned once per
+process (a handful of small gathers in the first forward that meets it), and the planner predicts the steady state.
+The trainer's own exchanges outside the model (batch broadcast, reward gathers) are not predicted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from ._dist import run_distributed
+
+MODEL_PHASES = ("rollout", "old_log_probs", "train_forward", "train_backward", "optimizer", "reference")
+STEPS, GROUP, PROMPTS, MICRO, WINDOW = 8, 4, 2, 2, 2  # tests/workers/engine_steps._config: micro 2, window 2
+
+CASES = {
+    # name: (kind, world, cfg scale, rollout.gather_params)
+    "qwenimage-sp2-cfg-held": ("qwenimage", 2, 4.0, "always"),
+    "qwenimage-sp2-per-step": ("qwenimage", 2, 1.0, "never"),
+    "wan-sp2": ("wan", 2, 1.0, "auto"),
+    "qwenimage-dp2-sp2-cfg": ("qwenimage", 4, 4.0, "always"),
+    "wan-dp2-sp2-cfg": ("wan", 4, 4.0, "always"),
+}
+
+
+@functools.cache
+def _counted(kind: str, world: int) -> dict:
+    runs = {
+        name: {"num_steps": STEPS, "cfg_scale": cfg, "window_range": [1, 2], "rollout": {"gather_params": gather}}
+        for name, (k, w, cfg, gather) in CASES.items()
+        if (k, w) == (kind, world)
+    }
+    return run_distributed("tests.workers.iteration_checks:iteration_ledgers", world, 2, kind, runs)[0]
+
+
+def _predicted(kind: str, world: int, cfg: float, gather: str, text_len: int) -> dict[str, tuple[int, int]]:
+    from sp_diffusers.plan.iteration import RLKnobs
+    from sp_diffusers.plan.ledger_prediction import predict_iteration_ledger
+    from sp_diffusers.plan.models import FAMILIES, ModelSpec
+    from sp_diffusers.plan.shapes import Workload
+    from sp_diffusers.tiny._registry import tiny_model_config
+
+    spec = ModelSpec(f"tiny-{kind}", kind, tiny_model_config(kind, num_layers=2), FAMILIES[kind])
+    grid = (2, 4, 4) if kind == "wan" else (1, 4, 4)  # latent 8 x 8 (2 frames for Wan), patch 2
+    rl = RLKnobs(STEPS, cfg > 1, WINDOW, GROUP, PROMPTS, gather)
+    ledger = predict_iteration_ledger(spec, Workload(MICRO, grid, text_len), world, 2, rl, held=gather != "never")
+    return {f"{phase}/{k}": v for (phase, k), v in ledger.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_planner_predicts_the_counted_ledger_to_the_byte(case):
+    kind, world, cfg, gather = CASES[case]
+    counted = _counted(kind, world)[case]
+    assert counted["gathered_once"] is (gather != "never")
+    mine = {k: tuple(v) for k, v in counted["steady"].items() if k.split("/")[0] in MODEL_PHASES}
+    predicted = _predicted(kind, world, cfg, gather, counted["text_len"])
+    assert predicted == mine
+    kinds = {k.split("/")[1] for k in mine}
+    assert {"param_gather", "grad_reduce", "activation", "agreement"} <= kinds  # every kind is held, not a few
+
+
+def test_an_uneven_text_length_is_learned_once():
+    """The first iteration learns the uneven layouts (small agreement gathers in the rollout); the second has none,
+    and otherwise both iterations move the same."""
+    first, steady = (_counted("qwenimage", 2)["qwenimage-sp2-per-step"][k] for k in ("ledger", "steady"))
+    assert "rollout/agreement" in first and "rollout/agreement" not in steady
+    assert first["rollout/param_gather"] == steady["rollout/param_gather"]
