@@ -11,6 +11,7 @@ A load is pure data movement: every parameter and AdamW moment loaded is bitwise
 from __future__ import annotations
 
 import functools
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -205,3 +206,19 @@ def test_ledger_counts_the_cross_replica_all_reduce_as_grad_reduce(resumed):
         calls, nbytes, all_reduce = r["expected"]
         assert all_reduce > 0 and calls % 2 == 0
         assert r["ledger"] == {"train_backward/grad_reduce": (calls, nbytes)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="verl is installed by scripts/setup.sh")
+def test_verl_configs_carry_dp_replicate_as_fsdp_size(monkeypatch):
+    """``fsdp_engine_via_verl``'s configs: dp_replicate out as verl's fsdp_size and back, on a world of 8."""
+    from sp_diffusers.engine import EngineSettings
+    from sp_diffusers.integrations import verl_config
+
+    monkeypatch.setattr(verl_config, "_world", lambda: 8)
+    for replicate, fsdp_size in ((1, -1), (2, 4), (4, 2)):
+        settings = EngineSettings(ulysses_sequence_parallel_size=2, dp_replicate=replicate)
+        model, engine, optim = verl_config.verl_configs(settings, None)
+        assert engine.fsdp_size == fsdp_size
+        assert verl_config.engine_settings(model, engine, optim).dp_replicate == replicate
+    with pytest.raises(ValueError, match=r"dp_replicate=3 does not divide"):
+        verl_config.verl_configs(EngineSettings(dp_replicate=3), None)
