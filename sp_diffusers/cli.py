@@ -95,8 +95,10 @@ def _train(args: argparse.Namespace) -> int:
     trainer = FlowGRPOTrainer(config, engine_factory=factory)
     if trainer.rank == 0:
         layout = trainer.engine.layout
+        replicate = getattr(layout, "replicate", 1)
         print(
-            f"engine: {engine_name}, ulysses_sequence_parallel_size={layout.ulysses}, ring_degree={layout.ring}",
+            f"engine: {engine_name}, ulysses_sequence_parallel_size={layout.ulysses}, ring_degree={layout.ring}"
+            + (f", dp_replicate={replicate} (HSDP)" if replicate > 1 else ""),
             flush=True,
         )
         print(f"algorithm: {config.flowgrpo.algorithm}; schedule: {trainer.schedule.source}", flush=True)

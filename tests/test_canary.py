@@ -92,16 +92,22 @@ def test_the_gradient_contract_on_ncclish_reduce_ops():
     ranks carries the divide factor itself - ``PREMUL_SUM(1/dp)`` with dp = 2, sp = 4 (each rank's gradient
     times 1/2, summed over 8 ranks: the SUM over the SP group, the MEAN over dp), ``AVG`` with dp = 8, sp = 1 -
     in fp32 under bf16 mixed precision, and nothing is divided before or after (a pre- or post-division would
-    count the factor twice)."""
+    count the factor twice). HSDP with 2 replica groups of 4 at dp = 2, sp = 4: ``PREMUL_SUM(1/2)`` within a group
+    of 4, then one all-reduce ``SUM`` across the 2 groups per reduce-scatter (the 8 ranks' sum, halved once)."""
     runs = _canary()["gradient_contract"]
-    expected = {"dp2_sp4": ("PREMUL_SUM", 0.5), "dp8_sp1": ("AVG", None)}
+    # layout: (reduce-scatter op, its factor, its group size, all-reduce group size or None)
+    expected = {
+        "dp2_sp4": ("PREMUL_SUM", 0.5, 8, None),
+        "dp8_sp1": ("AVG", None, 8, None),
+        "dp2_sp4_replicate2": ("PREMUL_SUM", 0.5, 4, 2),
+    }
     assert set(runs) == set(expected)
-    for layout, (op, factor) in expected.items():
-        calls = runs[layout]["calls"]
+    for layout, (op, factor, group, replicas) in expected.items():
+        calls, all_reduces = runs[layout]["calls"], runs[layout]["all_reduces"]
         assert calls, f"{layout}: no reduce-scatter ran"
-        for call in calls:
-            assert (call["op"], call["factor"], call["dtype"], call["group"]) == (op, factor, "float32", 8), (
-                layout,
-                call,
-            )
+        seen = {(c["op"], c["factor"], c["dtype"], c["group"]) for c in calls}
+        assert seen == {(op, factor, "float32", group)}, (layout, calls)
+        assert len(all_reduces) == (len(calls) if replicas else 0), (layout, all_reduces)
+        seen = {(c["op"], c["factor"], c["dtype"], c["group"]) for c in all_reduces}
+        assert seen <= {("SUM", None, "float32", replicas)}, (layout, all_reduces)
         assert runs[layout]["divisions"] == [], (layout, runs[layout]["divisions"])

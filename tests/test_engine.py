@@ -23,11 +23,24 @@ LAYOUTS = {
     "ring2_ulysses2": (4, 2, 2),
 }  # name: (world, ulysses, ring)
 EXTRA_LAYOUTS = {"dp2_ring2": (4, 1, 2)}  # a pure ring of 2 under data parallelism 2 (full fine-tuning only)
+# HSDP: 2 replica groups of 2 ranks, each one SP group of 2 (dp 2 = 2 replicas x 1) or, at SP 1, two dp ranks
+# (dp 4 = 2 replicas x 2 shards); name: (world, ulysses, ring, dp_replicate)
+HSDP_LAYOUTS = {"hsdp2_sp2": (4, 2, 1, 2), "hsdp2_dp2": (4, 1, 1, 2)}
 
 
 @functools.cache
-def _step(world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1, pipeline: str = ""):
-    return run_distributed("tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind, ring, pipeline)
+def _step(
+    world: int,
+    sp: int,
+    lora: bool,
+    kind: str = "qwenimage",
+    ring: int = 1,
+    pipeline: str = "",
+    replicate: int = 1,
+):
+    return run_distributed(
+        "tests.workers.engine_steps:flowgrpo_step", world, sp, lora, kind, ring, pipeline, replicate
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +65,25 @@ def pipeline_folder(tmp_path_factory):
     ("layout", "lora", "kind"),
     [(layout, lora, "qwenimage") for layout in sorted(LAYOUTS) for lora in (False, True)]
     + [("sp2", False, "sd3_pipeline"), ("dp2_ring2", False, "qwenimage")]
-    + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")],
+    + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")]
+    + [
+        ("hsdp2_sp2", False, "qwenimage"),
+        ("hsdp2_sp2", True, "qwenimage"),
+        ("hsdp2_dp2", False, "qwenimage"),
+    ],
     ids=lambda v: {False: "full", True: "lora"}.get(v, v) if isinstance(v, bool) else v,
 )
 def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     """SD3 runs through sp_diffusers' plan, from a real StableDiffusion3Pipeline folder whose own CLIP/T5
     encoders give the text and pooled inputs (text padded to the degree with a masked key); Wan (video latents
     [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
-    ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2."""
-    world, sp, ring = {**LAYOUTS, **EXTRA_LAYOUTS}[layout]
+    ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2;
+    hsdp2_* shard within 2 replica groups of 2 ranks and all-reduce gradients across them (HSDP)."""
+    world, sp, ring, *replicate = {**LAYOUTS, **EXTRA_LAYOUTS, **HSDP_LAYOUTS}[layout]
     pipeline = pipeline_folder(kind)
     ref = _step(1, 1, lora, kind, 1, pipeline)[0]
-    results = _step(world, sp, lora, kind, ring, pipeline)
+    results = _step(world, sp, lora, kind, ring, pipeline, *replicate)
+    assert results[0]["replicate"] == (replicate or [1])[0]
     # the loss each data-parallel group reports, averaged over dp, is the single-process loss
     dp_losses = {r["dp_rank"]: r["loss"] for r in results if r["sp_rank"] == 0}
     assert abs(sum(dp_losses.values()) / len(dp_losses) - ref["loss"]) <= 1e-6

@@ -1,7 +1,8 @@
-"""FSDP2 engine adapter: one (dp, ring, ulysses) mesh, SP-aligned batches, the exact gradient contract,
-atomic DCP checkpoints. See ``FSDPEngine``.
+"""FSDP2 engine adapter: one (dp, ring, ulysses) mesh (HSDP: dp split into replica groups), SP-aligned
+batches, the exact gradient contract, atomic DCP checkpoints. See ``FSDPEngine``.
 
     fsdp_engine.py   build (mesh, LoRA, backend, FSDP2, AdamW), forward/backward, optimizer step
+    sharding.py      FSDP2 on the mesh: plain (every rank) or HSDP (replicate x shard), the exact reduction
     settings.py      EngineSettings / OptimSettings / LoraSettings: what an engine is built from
     batch.py         SP-aligned batches: ragged text padded to the degree, broadcast in the SP group
     checkpoint.py    atomic, resumable DCP checkpoints: save, load (any layout), the model checks

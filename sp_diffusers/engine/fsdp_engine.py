@@ -1,13 +1,15 @@
 """FSDP2 + Ulysses SP on one device mesh, with the gradient contract made exact by the engine.
 
-One mesh ``(dp, ring, ulysses)``: FSDP2 shards parameters over all ranks; the ranks of an SP group
-share one micro-batch (and its noise and timesteps) and each computes the loss of the whole sequence
-from the gathered output, but its parameter gradients only cover its own sequence shard. The correct
-reduction is therefore a SUM over the SP group and a MEAN over DP. FSDP's reduce-scatter over all
-``dp * sp`` ranks divides by ``dp * sp``; the engine sets the divide factor to ``dp`` so the result is
-exact without the user scaling anything, and metrics report the loss as computed (unscaled).
+One mesh ``(dp, ring, ulysses)``: FSDP2 shards parameters over all ranks (or, under HSDP, within each of
+``dp_replicate`` replica groups and replicates across them); the ranks of an SP group share one micro-batch
+(and its noise and timesteps) and each computes the loss of the whole sequence from the gathered output, but
+its parameter gradients only cover its own sequence shard. The correct reduction is therefore a SUM over the
+SP group and a MEAN over DP. FSDP's reductions sum over all ``dp * sp`` ranks; the engine sets the divide
+factor to ``dp`` so the result is exact without the user scaling anything (``engine/sharding.py``), and
+metrics report the loss as computed (unscaled).
 
-Batches: ``engine/batch.py``; checkpoints: ``engine/checkpoint.py``; settings: ``engine/settings.py``.
+Batches: ``engine/batch.py``; checkpoints: ``engine/checkpoint.py``; settings: ``engine/settings.py``;
+sharding (FSDP / HSDP meshes, the reduction): ``engine/sharding.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..ledger import comm_kind, comm_phase
 from ..mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
-from . import gathering
+from . import gathering, sharding
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
 from .protocols import EngineLayout
@@ -71,14 +73,16 @@ class FSDPEngine:
         s = (settings or EngineSettings()).replace(**changes) if changes else settings or EngineSettings()
         self.settings = s
         distributed = dist.is_available() and dist.is_initialized()
-        ulysses, ring = s.ulysses_sequence_parallel_size, s.ring_degree
+        ulysses, ring, replicate = s.ulysses_sequence_parallel_size, s.ring_degree, s.dp_replicate
         if not distributed and ulysses != 1:
             raise MeshError(
                 f"ulysses_sequence_parallel_size={ulysses} needs torch.distributed; "
                 "fix: launch with torchrun and init_process_group first"
             )
-        dims = ParallelDims.of_process_group(ulysses, ring)
-        self.layout = EngineLayout(dims.world, dims.dp, ring, ulysses, dist.get_rank() if distributed else 0)
+        dims = ParallelDims.of_process_group(ulysses, ring, replicate)
+        self.layout = EngineLayout(
+            dims.world, dims.dp, ring, ulysses, dist.get_rank() if distributed else 0, replicate=replicate
+        )
 
         sp_diffusers.install()
         self.device = torch.device(s.device) if s.device is not None else default_device()
@@ -127,8 +131,9 @@ class FSDPEngine:
             if not getattr(model, "_supports_gradient_checkpointing", False):
                 raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
             model.enable_gradient_checkpointing()
+        self.shard_mesh = None  # FSDP2's mesh: 1-D over every rank, or (replicate, shard) under HSDP
         if self.sharded:
-            self._fully_shard(model, s.mixed_precision)
+            self.shard_mesh = sharding.fully_shard_model(model, self.mesh, dims, s.mixed_precision)
         elif s.mixed_precision == "bf16":
             model.to(torch.bfloat16)  # on meta this costs nothing: the values then load in bf16
         if meta:
@@ -158,29 +163,6 @@ class FSDPEngine:
     @property
     def debug_checks(self) -> bool:
         return self.settings.debug_checks
-
-    # ----------------------------------------------------------------------------------- setup helpers
-
-    def _fully_shard(self, model: torch.nn.Module, mixed_precision: str | None) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        flat = self.mesh["dp", "ring", "ulysses"]._flatten("fsdp")
-        kwargs: dict[str, Any] = {"mesh": flat}
-        if mixed_precision == "bf16":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for child in model.children():
-            if isinstance(child, torch.nn.ModuleList):
-                for block in child:
-                    fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        # The gradient contract: reduce-scatter sums over dp * sp ranks; dividing by dp (not dp * sp)
-        # makes it SUM over the SP group and MEAN over data parallelism.
-        # gloo has neither PREMUL_SUM nor AVG: reduce with SUM and let FSDP scale before/after.
-        sum_only = dist.get_backend() == "gloo"
-        for module in model.modules():
-            if hasattr(module, "set_gradient_divide_factor"):
-                module.set_gradient_divide_factor(float(self.layout.dp))
-                module.set_force_sum_reduction_for_comms(sum_only)
 
     # --------------------------------------------------------------------------------- public surface
 
@@ -391,7 +373,7 @@ class FSDPEngine:
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Load ``path`` (a step folder, or a root whose ``latest`` names one); returns ``extra``.
 
-        Any ``(dp, ring, ulysses)`` layout loads (DCP reshards); a checkpoint of another model or other LoRA
+        Any ``(dp, ring, ulysses)`` layout loads, HSDP or not (DCP reshards); a checkpoint of another model or other LoRA
         settings is refused, naming the difference, before anything changes. The model, optimizer, LR
         scheduler, step and each rank's RNG come back exactly.
         """

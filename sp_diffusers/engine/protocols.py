@@ -15,7 +15,8 @@ __all__ = ["BatchOwner", "EngineLayout", "StepRunner", "TrainState"]
 
 @dataclass
 class EngineLayout:
-    """Where this process sits: world size, the dp / ring / ulysses degrees, its global, dp and SP ranks."""
+    """Where this process sits: world size, the dp / ring / ulysses degrees, its global, dp and SP ranks, and the
+    HSDP replica groups the dp ranks split into (1: plain FSDP)."""
 
     world: int
     dp: int
@@ -24,6 +25,7 @@ class EngineLayout:
     rank: int
     dp_rank: int = 0
     sp_rank: int = 0
+    replicate: int = 1
 
 
 class BatchOwner(Protocol):

@@ -62,6 +62,10 @@ class EngineSettings:
         ulysses_sequence_parallel_size: the Ulysses degree (verl's flag name); 1 turns SP off.
         ring_degree: the ring dimension of Ulysses x Ring (USP): SP degree = ulysses x ring, heads need only
             divide the Ulysses degree.
+        dp_replicate: HSDP: FSDP shards parameters within each of ``dp_replicate`` replica groups of
+            ``world / dp_replicate`` consecutive ranks (a node) and replicates them across the groups (gradients
+            reduce-scattered within a group, all-reduced across); 1: sharded over every rank. It must divide
+            dp = world / (ulysses x ring), so that an SP group lies within one replica group.
         optim: AdamW, warmup and clipping.
         lora: add LoRA adapters before sharding and train only them (None: full fine-tuning).
         use_fsdp: shard with FSDP2 (``fully_shard``); False keeps replicas and all-reduces gradients.
@@ -82,6 +86,7 @@ class EngineSettings:
 
     ulysses_sequence_parallel_size: int = 1
     ring_degree: int = 1
+    dp_replicate: int = 1
     optim: OptimSettings = field(default_factory=OptimSettings)
     lora: LoraSettings | None = None
     use_fsdp: bool = True
@@ -96,6 +101,11 @@ class EngineSettings:
     def __post_init__(self) -> None:
         if self.mixed_precision not in (None, "bf16", "fp32"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose None/'fp32' or 'bf16'")
+        if not self.use_fsdp and self.dp_replicate != 1:
+            raise ValueError(
+                f"dp_replicate={self.dp_replicate!r} asks for HSDP (FSDP sharding within replica groups), but "
+                "use_fsdp=False keeps a whole replica on every rank; fix: use_fsdp=True, or dp_replicate=1"
+            )
 
     def replace(self, **changes: Any) -> EngineSettings:
         """A copy with ``changes``; an unknown name is refused with the closest field names."""

@@ -66,6 +66,7 @@ def engine_settings(
         weights=transformer_folder(config, name) if model is not None and on_meta(model) else None,
         ulysses_sequence_parallel_size=p.ulysses_sequence_parallel_size,
         ring_degree=p.ring_degree,
+        dp_replicate=p.dp_replicate,
         optim=OptimSettings(
             lr=o.lr,
             eps=o.eps,

@@ -58,6 +58,8 @@ class TextConfig:
 class ParallelConfig:
     ulysses_sequence_parallel_size: int = 2
     ring_degree: int = 1
+    # HSDP: shard within each of dp_replicate groups of world / dp_replicate ranks (a node), replicate across
+    dp_replicate: int = 1
     use_fsdp: bool = True
     mixed_precision: str = ""  # "" (fp32) or "bf16"
     activation_checkpointing: bool = False
@@ -249,6 +251,7 @@ def validate(config: TrainConfig) -> None:
         t.save_every >= 0, "train.save_every", t.save_every, "0 (only at the end) or a positive interval"
     )
     for key, value in (
+        ("parallel.dp_replicate", config.parallel.dp_replicate),
         ("flowgrpo.micro_batch_size", g.micro_batch_size),
         ("flowgrpo.mini_batches", g.mini_batches),
         ("flowgrpo.inner_epochs", g.inner_epochs),

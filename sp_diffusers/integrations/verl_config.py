@@ -6,6 +6,11 @@ verl model config with the same field names), ``FSDPEngineConfig`` (the layout: 
 This module reads them once into :class:`~sp_diffusers.engine.EngineSettings`; every setting verl has that
 sp-diffusers cannot honour is refused with the verl key, the value and the fix.
 
+``fsdp_size`` is verl's FSDP shard group: -1 (any negative, verl's default) or the world shards over every
+rank; a proper divisor N of the world is HSDP with ``dp_replicate = world / N`` replica groups of N ranks, as
+verl's own ``create_device_mesh`` builds its ``(ddp, fsdp)`` mesh. N must be a multiple of the SP degree (a
+sequence never spans two replica groups); anything else is refused.
+
 The CLI's verl-style hydra overrides (``sp-diffusers train actor_rollout_ref...=...``) are
 ``verl_overrides.py``'s, which reads the keys defined here; nothing here imports it back.
 """
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..engine import EngineSettings, LoraSettings, OptimSettings
 from ..mesh import MeshError, ParallelDims
@@ -24,7 +30,9 @@ __all__ = [
     "BACKENDS",
     "DiffusionModelConfig",
     "config_error",
+    "dp_replicate_of",
     "engine_settings",
+    "fsdp_size_of",
     "get_field",
     "model_dtype",
     "parallel_dims",
@@ -34,6 +42,7 @@ __all__ = [
 BACKENDS = ("fsdp", "fsdp2")  # verl's strategies; both mean FSDP2 (fully_shard) here
 SP_KEY = "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"
 RING_KEY = "actor_rollout_ref.model.ring_degree"
+FSDP_SIZE_KEY = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
 
 
 @dataclass
@@ -169,33 +178,71 @@ def lora_settings(model_config: Any) -> LoraSettings | None:
     )
 
 
+def dp_replicate_of(fsdp_size: Any, world: int, sp: int = 1) -> int:
+    """verl's FSDP shard group size -> HSDP's replica groups: 1 for ``fsdp_size`` < 0 or = ``world`` (shard over
+    every rank), ``world / fsdp_size`` for a proper divisor of the world that is a multiple of the SP degree
+    ``sp``; anything else is refused with the valid sizes."""
+    valid = [n for n in range(sp, world, sp) if world % n == 0]
+    if not isinstance(fsdp_size, bool) and isinstance(fsdp_size, int):
+        if fsdp_size < 0 or fsdp_size == world:
+            return 1
+        if fsdp_size in valid:
+            return world // fsdp_size
+    why = (
+        "is not an int"
+        if isinstance(fsdp_size, bool) or not isinstance(fsdp_size, int)
+        else f"exceeds the world of {world} ranks"
+        if fsdp_size > world
+        else f"does not divide the world of {world} ranks"
+        if fsdp_size == 0 or world % fsdp_size
+        else f"is not a multiple of the SP degree ulysses x ring = {sp} (an SP group would span two replica groups)"
+    )
+    hsdp = (
+        f", or one of {valid} (HSDP: sharded within groups of fsdp_size ranks, replicated across)"
+        if valid
+        else ""
+    )
+    raise ValueError(
+        f"{FSDP_SIZE_KEY}={fsdp_size!r} {why}; fix: fsdp_size=-1 (shard over all {world} ranks){hsdp}"
+    )
+
+
+def fsdp_size_of(dp_replicate: int, world: int) -> int:
+    """The inverse of :func:`dp_replicate_of`: -1 for plain FSDP, else the replica group's ``world / dp_replicate``."""
+    return -1 if dp_replicate == 1 else world // dp_replicate
+
+
 def parallel_dims(model_config: Any, engine_config: Any, world: int) -> ParallelDims:
     """The layout verl's configs ask for, validated against the world (errors name the verl keys)."""
     strategy = get_field(engine_config, "strategy", "fsdp2")
     if strategy not in BACKENDS:
         raise config_error("actor_rollout_ref.actor.strategy", strategy, "strategy=fsdp2 (or fsdp)")
-    fsdp_size = int(get_field(engine_config, "fsdp_size", -1))
-    if fsdp_size not in (-1, world):
-        raise config_error(
-            "actor_rollout_ref.actor.fsdp_config.fsdp_size", fsdp_size, "fsdp_size=-1 (shard over all ranks)"
-        )
+    ulysses = get_field(engine_config, "ulysses_sequence_parallel_size", 1)
+    ring = get_field(model_config, "ring_degree", 1)
     try:
-        return ParallelDims(
-            world,
-            get_field(engine_config, "ulysses_sequence_parallel_size", 1),
-            get_field(model_config, "ring_degree", 1),
-        )
+        dims = ParallelDims(world, ulysses, ring)
     except MeshError as err:
         raise MeshError(f"{SP_KEY} x {RING_KEY}: {err}") from err
+    # a shard group of a multiple of sp ranks that divides the world: dp_replicate divides dp by construction
+    replicate = dp_replicate_of(get_field(engine_config, "fsdp_size", -1), world, dims.sp)
+    return ParallelDims(world, ulysses, ring, replicate)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def engine_settings(
-    model_config: Any, engine_config: Any, optimizer_config: Any, device: Any = None
+    model_config: Any, engine_config: Any, optimizer_config: Any, device: Any = None, world: int | None = None
 ) -> EngineSettings:
-    """The one translation of verl's three configs into the engine's settings."""
+    """The one translation of verl's three configs into the engine's settings (``world``: the ranks ``fsdp_size``
+    is read against; None: the default process group's)."""
     return EngineSettings(
         ulysses_sequence_parallel_size=get_field(engine_config, "ulysses_sequence_parallel_size", 1),
         ring_degree=get_field(model_config, "ring_degree", 1),
+        dp_replicate=parallel_dims(
+            model_config, engine_config, _world() if world is None else world
+        ).replicate,
         optim=optim_settings(optimizer_config),
         lora=lora_settings(model_config),
         use_fsdp=bool(get_field(model_config, "use_fsdp", True)),
@@ -218,9 +265,13 @@ def verl_configs(settings: EngineSettings, module: torch.nn.Module) -> tuple[Any
     lora, o = settings.lora, settings.optim
     if lora is not None and lora.adapter_name != "default":
         raise config_error("lora.adapter_name", lora.adapter_name, "adapter_name='default'")
+    world = _world()
+    # the degrees checked against this world first, so a bad dp_replicate is named as the caller gave it
+    ParallelDims(world, settings.ulysses_sequence_parallel_size, settings.ring_degree, settings.dp_replicate)
     engine_config = FSDPEngineConfig(
         strategy="fsdp2",
         ulysses_sequence_parallel_size=settings.ulysses_sequence_parallel_size,
+        fsdp_size=fsdp_size_of(settings.dp_replicate, world),
         mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32"}
         if settings.mixed_precision == "bf16"
         else None,
@@ -248,4 +299,3 @@ def verl_configs(settings: EngineSettings, module: torch.nn.Module) -> tuple[Any
         weights=settings.weights,
     )
     return model_config, engine_config, optimizer_config
-

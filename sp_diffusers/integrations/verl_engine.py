@@ -109,7 +109,7 @@ class SPDiffusersEngine(BaseEngine):
         self.dp_size = self.dims.dp
         self.cp_size = self.dims.sp  # ranks that share one sample
         # read (and validated) now, so a bad optimizer or precision setting fails before the model is built
-        self.settings = engine_settings(model_config, engine_config, optimizer_config)
+        self.settings = engine_settings(model_config, engine_config, optimizer_config, world=self.world)
 
     # ---------------------------------------------------------------------------------------- build
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..flowgrpo.config import ConfigError, TrainConfig
 from .verl_config import BACKENDS as STRATEGIES
-from .verl_config import RING_KEY, SP_KEY
+from .verl_config import FSDP_SIZE_KEY, RING_KEY, SP_KEY, dp_replicate_of
 from .vllm_omni import (
     ENGINE_KWARGS_PREFIX,
     RolloutConfigError,
@@ -70,6 +70,7 @@ VERL_KEYS: dict[str, str] = {
 SPECIAL_KEYS = (
     STRATEGY_KEY,
     REF_SP_KEY,
+    FSDP_SIZE_KEY,
     "actor_rollout_ref.model.lora_rank",
     "actor_rollout_ref.actor.use_kl_loss",
     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype",
@@ -185,8 +186,8 @@ def _special(plan: VerlPlan, key: str, value: Any) -> None:
                 f"{key}={value!r} is not supported by sp-diffusers (an FSDP2 engine); fix: {key}=fsdp2 (or fsdp)"
             )
         plan.overrides.append("parallel.use_fsdp=true")
-    elif key == REF_SP_KEY:
-        pass  # checked against the actor's degree in _finish
+    elif key in (REF_SP_KEY, FSDP_SIZE_KEY):
+        pass  # checked against the actor's degree / mapped with the world in _finish
     elif key == "actor_rollout_ref.model.lora_rank":
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{key}={value!r} must be an int >= 0 (0: full fine-tuning); fix: {key}=16")
@@ -229,8 +230,43 @@ def _finish(plan: VerlPlan, engine_kwargs: dict[str, Any]) -> None:
             f"{SP_KEY}={sp} does not divide trainer.n_gpus_per_node x trainer.nnodes = {world}; fix: pick one of "
             f"{divisors}"
         )
+    _map_fsdp_size(plan, sp)
     if engine_kwargs:
         try:
             plan.rollout = settings_from_engine_kwargs(engine_kwargs)
         except RolloutConfigError as err:
             raise ConfigError(str(err)) from err
+
+
+def _map_fsdp_size(plan: VerlPlan, ulysses: Any) -> None:
+    """verl's shard group size -> ``parallel.dp_replicate = world / fsdp_size`` (needs the world, from
+    ``trainer.n_gpus_per_node x trainer.nnodes``); refused where it disagrees with a ``parallel.dp_replicate`` given
+    alongside."""
+    fsdp_size = plan.verl.get(FSDP_SIZE_KEY)
+    if fsdp_size is None:
+        return
+    world = plan.world_size
+    if isinstance(fsdp_size, int) and not isinstance(fsdp_size, bool) and fsdp_size < 0:
+        replicate = 1
+    elif world is None:
+        raise ConfigError(
+            f"{FSDP_SIZE_KEY}={fsdp_size!r} is verl's FSDP shard group, so HSDP's replica groups are world / "
+            f"fsdp_size, and the world is not given; fix: also give trainer.n_gpus_per_node (and trainer.nnodes), "
+            "or set parallel.dp_replicate=<world / fsdp_size> instead"
+        )
+    else:
+        ring = plan.verl.get(RING_KEY, 1)
+        sp = (ulysses if isinstance(ulysses, int) else 1) * (ring if isinstance(ring, int) else 1)
+        try:
+            replicate = dp_replicate_of(fsdp_size, world, sp)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    for item in plan.overrides:
+        key, _, raw = item.partition("=")
+        if key == "parallel.dp_replicate" and _parse(raw) != replicate:
+            raise ConfigError(
+                f"parallel.dp_replicate={raw} disagrees with {FSDP_SIZE_KEY}={fsdp_size}, which means "
+                f"dp_replicate={replicate}{f' on a world of {world} ranks' if world else ''}; fix: give one of "
+                "the two keys"
+            )
+    plan.overrides.append(f"parallel.dp_replicate={replicate}")

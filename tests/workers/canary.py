@@ -276,14 +276,17 @@ def _ring_memory(heads: int = 2, head_dim: int = 16) -> dict[str, Any]:
 def _gradient_contract() -> dict[str, Any]:
     """FSDPEngine's gradient contract on NCCL's reduce ops. The fake group is not gloo, so the engine takes the
     NCCL path (no forced SUM): FSDP2 folds the divide factor (dp) into the reduce-scatter itself - ``AVG`` when
-    it equals the group size (sp = 1), else ``PREMUL_SUM(1/dp)`` - and divides nothing before or after.
-    Recorded per layout: every reduce-scatter's op, factor, dtype and group size, and every extra division."""
+    it equals the group size (sp = 1), else ``PREMUL_SUM(1/dp)`` - and divides nothing before or after; under
+    HSDP the reduce-scatter runs within a replica group and an all-reduce with SUM across the groups follows.
+    Recorded per layout: every reduce-scatter's and all-reduce's op, factor, dtype and group size, and every
+    extra division."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
     import sp_diffusers
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
     calls: list[dict[str, Any]] = []
+    all_reduces: list[dict[str, Any]] = []
     divisions: list[float] = []
     saved = {
         name: getattr(dist, name)
@@ -291,19 +294,26 @@ def _gradient_contract() -> dict[str, Any]:
         if hasattr(dist, name)
     }
 
+    def described(tensor, op, group) -> dict[str, Any]:
+        return {
+            "op": str(getattr(op, "op", op)).rsplit(".", 1)[-1],
+            "factor": getattr(op, "factor", None),
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "group": dist.get_world_size(group),
+        }
+
     def recording(fn):
         def wrapped(output, input, *args, op=None, group=None, **kwargs):
-            calls.append(
-                {
-                    "op": str(getattr(op, "op", op)).rsplit(".", 1)[-1],
-                    "factor": getattr(op, "factor", None),
-                    "dtype": str(input.dtype).removeprefix("torch."),
-                    "group": dist.get_world_size(group),
-                }
-            )
+            calls.append(described(input, op, group))
             return fn(output, input, *args, op=op, group=group, **kwargs)
 
         return wrapped
+
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, **kwargs):
+        all_reduces.append(described(tensor, op, group))
+        return real_all_reduce(tensor, op=op, group=group, **kwargs)
 
     real_div = collectives._div_if_needed
 
@@ -316,21 +326,29 @@ def _gradient_contract() -> dict[str, Any]:
     for name, fn in saved.items():
         setattr(dist, name, recording(fn))
     collectives._div_if_needed = div
+    dist.all_reduce = all_reduce  # FSDP2 calls it as dist.all_reduce (HSDP's cross-replica sum)
     try:
-        for sp in (4, 1):
+        for sp, replicate in ((4, 1), (1, 1), (4, 2)):
             calls.clear()
+            all_reduces.clear()
             divisions.clear()
             model = tiny_model("flux", seed=0)
             engine = sp_diffusers.FSDPEngine(
-                model, ulysses_sequence_parallel_size=sp, device="cpu", mixed_precision="bf16"
+                model,
+                ulysses_sequence_parallel_size=sp,
+                dp_replicate=replicate,
+                device="cpu",
+                mixed_precision="bf16",
             )
             inputs = tiny_inputs("flux", model, batch=2, seed=1, image_hw=(4, 4), text_len=8)
             engine.model(**inputs, return_dict=False)[0].float().sum().backward()
-            out[f"dp{engine.dp_size}_sp{sp}"] = {"calls": list(calls), "divisions": list(divisions)}
+            name = f"dp{engine.dp_size}_sp{sp}" + (f"_replicate{replicate}" if replicate > 1 else "")
+            out[name] = {"calls": list(calls), "all_reduces": list(all_reduces), "divisions": list(divisions)}
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
         collectives._div_if_needed = real_div
+        dist.all_reduce = real_all_reduce
     return out
 
 

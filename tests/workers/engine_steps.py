@@ -25,7 +25,14 @@ def _quiet() -> None:
 
 
 def _config(
-    sp: int, lora: bool, out_dir: str = "", kind: str = "qwenimage", ring: int = 1, pipeline: str = "", **flowgrpo
+    sp: int,
+    lora: bool,
+    out_dir: str = "",
+    kind: str = "qwenimage",
+    ring: int = 1,
+    pipeline: str = "",
+    replicate: int = 1,
+    **flowgrpo,
 ):
     """``pipeline``: the folder of the ``*_pipeline`` kinds, written by the parent before the ranks start
     (``save_tiny_pipeline(family, folder, num_layers=2)``; see tests/test_engine.py for why not here)."""
@@ -47,6 +54,7 @@ def _config(
         c.text.pipeline, c.text.max_sequence_length = pipeline, 16
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
+    c.parallel.dp_replicate = replicate
     c.lora.enabled = lora
     c.lora.init = False  # random A and B, so both get non-zero gradients at the first step
     c.optim.lr, c.optim.eps = PARITY_LR, PARITY_EPS  # a well-conditioned first AdamW step (tests/_parity.py)
@@ -122,11 +130,19 @@ def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Te
 
 
 def flowgrpo_step(
-    rank: int, world: int, sp: int, lora: bool, kind: str = "qwenimage", ring: int = 1, pipeline: str = ""
+    rank: int,
+    world: int,
+    sp: int,
+    lora: bool,
+    kind: str = "qwenimage",
+    ring: int = 1,
+    pipeline: str = "",
+    replicate: int = 1,
 ) -> dict:
-    """One FlowGRPO update (2 micro-batches x 2 window steps, one optimizer step) on this layout."""
+    """One FlowGRPO update (2 micro-batches x 2 window steps, one optimizer step) on this layout (``replicate``:
+    HSDP's replica groups)."""
     _quiet()
-    trainer = _trainer(_config(sp, lora, kind=kind, ring=ring, pipeline=pipeline))
+    trainer = _trainer(_config(sp, lora, kind=kind, ring=ring, pipeline=pipeline, replicate=replicate))
     engine = trainer.engine
     data = _global_data(trainer)
     batch, traj, adv, old = _my_batch(trainer, data)
@@ -154,6 +170,7 @@ def flowgrpo_step(
         "grads": captured["grads"] if rank == 0 else None,
         "params": params if rank == 0 else None,
         "n_trainable": len(params),
+        "replicate": engine.layout.replicate,
     }
 
 
