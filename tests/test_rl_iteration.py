@@ -88,3 +88,25 @@ def test_the_ranks_ledgers_agree_and_auto_gathers_on_this_host():
         expected = RUNS[name].get("rollout", {}).get("gather_params", "auto") != "never"
         assert results[0][name]["gathered_once"] is expected, name  # auto: the tiny model fits the host
     assert results[0]["n8_cfg"]["reward_mean"] == pytest.approx(results[0]["n8_cfg_per_step"]["reward_mean"], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wan22_folder(tmp_path_factory):
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    return str(save_tiny_pipeline("wan2.2", tmp_path_factory.mktemp("wan22"), num_layers=2))
+
+
+def test_a_frozen_expert_is_sharded_and_rolls_out_as_one_process(wan22_folder):
+    """Wan2.2's expert that is not trained is FSDP-sharded like the trained one (no gradients, no optimizer): a
+    rank holds its own rows of every parameter (torch.chunk of dim 0, FSDP2's rule), where it held a whole copy -
+    1/2 of the expert at SP 2 but for the tiny model's few parameters of 1 or 3 rows; Wan2.2-A14B's every matrix
+    divides by 8, so 1/8 on 8 GPUs. Its steps of the rollout equal one process's (the 1e-4 of
+    tests/test_engine.py's rollout check: 6 steps compound the forward's rounding)."""
+    ref = run_distributed("tests.workers.iteration_checks:frozen_expert", 1, wan22_folder)[0]
+    for r in run_distributed("tests.workers.iteration_checks:frozen_expert", 2, wan22_folder):
+        assert r["frozen"] and not r["optimizer"] and not r["grads"]
+        assert "transformer" in r["route"] and "transformer_2" in r["route"]  # both experts ran
+        assert r["rank_bytes"] == r["chunk_bytes"] < 0.7 * r["full_bytes"], (r["rank_bytes"], r["full_bytes"])
+        assert (r["final"] - ref["final"]).abs().max().item() <= 1e-4
+    assert ref["rank_bytes"] == ref["full_bytes"]  # one process: the whole expert

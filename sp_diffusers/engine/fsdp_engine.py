@@ -132,24 +132,34 @@ class FSDPEngine:
                 raise ValueError(f"{type(model).__name__} does not support activation checkpointing")
             model.enable_gradient_checkpointing()
         self.shard_mesh = None  # FSDP2's mesh: 1-D over every rank, or (replicate, shard) under HSDP
+        precision = s.mixed_precision
+        if s.frozen:  # nothing to keep in fp32 for: the shards are stored in the compute dtype
+            model.requires_grad_(False)
+            if precision == "bf16":
+                model.to(torch.bfloat16)  # on meta this costs nothing: the values then load in bf16
+            precision = None
         if self.sharded:
-            self.shard_mesh = sharding.fully_shard_model(model, self.mesh, dims, s.mixed_precision)
-        elif s.mixed_precision == "bf16":
+            self.shard_mesh = sharding.fully_shard_model(model, self.mesh, dims, precision)
+        elif precision == "bf16":
             model.to(torch.bfloat16)  # on meta this costs nothing: the values then load in bf16
         if meta:
             materialize_everywhere(model, self.device, s.weights, s.lora, self.control_group)
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        if not self.trainable:
-            raise ValueError("the model has no trainable parameters")
-        o = s.optim
-        self.optimizer = torch.optim.AdamW(
-            self.trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
-        warmup = max(0, o.warmup_steps)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.optimizer = self.lr_scheduler = None
+        if s.frozen:
+            model.eval()
+        elif not self.trainable:
+            raise ValueError("the model has no trainable parameters; fix: EngineSettings(frozen=True) for one that is not trained")
+        else:
+            o = s.optim
+            self.optimizer = torch.optim.AdamW(
+                self.trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+            )
+            warmup = max(0, o.warmup_steps)
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+            )
         self.global_step = 0
 
     @property
@@ -217,6 +227,11 @@ class FSDPEngine:
         """Inside: parameters all-gathered once and held over every forward (a rollout); ``engine/gathering.py``."""
         return gathering.held(self.model) if self.sharded else contextlib.nullcontext()
 
+    def release_params(self) -> None:
+        """Only the shards stay: every block and the root's own parameters resharded (``gathering.release``)."""
+        if self.sharded:
+            gathering.release(self.model)
+
     def gather_fits(self) -> bool:
         """Whether holding the whole model gathered (in the compute dtype) fits this device (``gathering.fits``)."""
         dtype = torch.bfloat16 if self.settings.mixed_precision == "bf16" else None
@@ -257,7 +272,8 @@ class FSDPEngine:
         self.verify_sp_consistency(full, "parameters")
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def forward_backward(
         self,

@@ -4,8 +4,9 @@ FSDP2 reshards every block after its forward, so N forwards all-gather the whole
 the same weights at every step and computes no gradient, so inside :func:`held` each block keeps its full
 weights after its first forward (``set_reshard_after_forward(False)``: the next forwards find them gathered and
 issue nothing), and at the end every block is resharded and its setting restored: training gathers per block, as
-before. The root module's own parameters (embeddings, the final norm and projection) already stay gathered after
-a forward (FSDP2's rule for the root), so they are left alone.
+before. The root module's own parameters (embeddings, the final norm and projection) stay gathered after a forward
+anyway (FSDP2's rule for the root: a backward reshards them); :func:`release` reshards them too, for a model that
+runs no backward next (a frozen expert would otherwise keep them gathered for good).
 
 Holding costs the whole model in the compute dtype (:func:`gathered_bytes`); :func:`fits` says whether the device
 has it to spare.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["fits", "gathered_bytes", "held"]
+__all__ = ["fits", "gathered_bytes", "held", "release"]
 
 # what `fits` leaves free beside the held weights: the rollout's activations, the allocator's slack, a reward model
 RESERVE_FRACTION = 0.25
@@ -47,8 +48,17 @@ def held(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         for b, value in zip(blocks, before, strict=True):
-            b.reshard()  # type: ignore[operator]
             b.set_reshard_after_forward(value, recurse=False)  # type: ignore[operator]
+        release(model)
+
+
+def release(model: torch.nn.Module) -> None:
+    """Every FSDP module of ``model`` resharded, the root's own parameters included: only shards stay."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def gathered_bytes(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> int:

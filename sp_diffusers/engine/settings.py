@@ -77,6 +77,8 @@ class EngineSettings:
             maximum only: any length shards exactly, and a model without a text mask, such as Wan, attends
             to padding, so padding only under SP would change its result).
         device: the compute device (None: ``cuda:LOCAL_RANK`` with a GPU, else the CPU).
+        frozen: a model that is not trained (Wan2.2's other expert): sharded like a trained one, its parameters
+            stored in the compute dtype, no gradients, no optimizer (forward only).
         weights: where the values of a model built on ``meta`` come from, loaded after sharding so that no rank
             holds the whole model (``engine/weights.py``): a ``save_pretrained`` folder or ``.safetensors`` file
             (each rank reads only its shards), a state dict of full tensors, a callable ``init(model)``, or
@@ -97,8 +99,11 @@ class EngineSettings:
     pad_text_to_degree: bool = False
     device: Any = None
     weights: Any = None
+    frozen: bool = False
 
     def __post_init__(self) -> None:
+        if self.frozen and self.lora is not None:
+            raise ValueError("EngineSettings(frozen=True, lora=...): a frozen model trains nothing; fix: lora=None")
         if self.mixed_precision not in (None, "bf16", "fp32"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: choose None/'fp32' or 'bf16'")
         if not self.use_fsdp and self.dp_replicate != 1:

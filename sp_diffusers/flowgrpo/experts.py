@@ -1,6 +1,8 @@
 """Wan2.2-A14B's two experts: ``transformer`` for the high-noise steps, ``transformer_2`` for the low-noise ones,
 switched at ``boundary_ratio`` as ``WanPipeline`` switches them (timestep >= ratio x num_train_timesteps: the
-first), each trained (an ``FSDPEngine`` of its own: shards, optimizer, LoRA) or frozen (``model.experts`` chooses).
+first), each an ``FSDPEngine`` of its own, trained (shards, optimizer, LoRA) or frozen (``model.experts`` chooses;
+``EngineSettings(frozen=True)``: sharded like the trained one, in the compute dtype, no gradients, no optimizer: a
+rank holds 1/world of it, not a whole copy).
 
 ``ExpertEngines`` looks like one engine to the trainer: ``for_step(i)`` is the expert of schedule step i (a host
 lookup: no sync), the rest (layout, batches, groups) is the first trained engine's, and ``zero_grad`` /
@@ -26,46 +28,15 @@ from ..engine import FSDPEngine
 from ..engine.checkpoint import find_latest
 from .config import ConfigError, TrainConfig
 
-__all__ = ["ExpertEngines", "FrozenExpert", "build_engines", "check_expert_steps", "route", "share_step_choices"]
-
-
-class FrozenExpert:
-    """An expert that is not trained: on the device, under the same Ulysses SP as the engines, no FSDP, no optimizer
-    (a full copy per rank, in the compute dtype)."""
-
-    def __init__(self, model: torch.nn.Module, like: FSDPEngine) -> None:
-        import sp_diffusers
-
-        s = like.settings
-        model = model.to(like.device, torch.bfloat16 if s.mixed_precision == "bf16" else None)
-        model.requires_grad_(False).eval()
-        model.set_attention_backend(s.attention_backend)
-        if like.sp_size > 1:
-            model.enable_parallelism(
-                config=sp_diffusers.context_parallel_config(
-                    ulysses_degree=like.layout.ulysses, ring_degree=like.layout.ring, mesh=like.mesh
-                )
-            )
-        self.model = model
-
-    def forward(self, **inputs: Any) -> torch.Tensor:
-        return self.model(**inputs, return_dict=False)[0]
-
-    def gathered_params(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # a whole copy: nothing to gather
-
-    @contextlib.contextmanager
-    def eval_mode(self) -> Iterator[None]:
-        with torch.no_grad():
-            yield
+__all__ = ["ExpertEngines", "build_engines", "check_expert_steps", "route", "share_step_choices"]
 
 
 class ExpertEngines:
     """The experts of one model, by name, and which runs each schedule step (``bind_schedule``)."""
 
-    def __init__(self, experts: dict[str, FSDPEngine | FrozenExpert], boundary_timestep: float) -> None:
+    def __init__(self, experts: dict[str, FSDPEngine], boundary_timestep: float) -> None:
         self.experts, self.boundary_timestep = experts, float(boundary_timestep)
-        self.trained = {n: e for n, e in experts.items() if not isinstance(e, FrozenExpert)}
+        self.trained = {n: e for n, e in experts.items() if not e.settings.frozen}
         self.primary = next(iter(self.trained.values()))
         self.route: list[str] = []
 
@@ -79,7 +50,7 @@ class ExpertEngines:
         names = list(self.experts)
         self.route = [names[0] if float(t) >= self.boundary_timestep else names[-1] for t in timesteps.tolist()]
 
-    def for_step(self, step: int) -> FSDPEngine | FrozenExpert:
+    def for_step(self, step: int) -> FSDPEngine:
         return self.experts[self.route[step]]
 
     def trainable_steps(self) -> list[int]:
@@ -135,10 +106,10 @@ def route(engine: Any, step: int | None) -> Any:
 
 def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: Any) -> Any:
     """One ``factory(model, settings)`` engine (``model``, else ``build_model``), or, for a two-expert Wan2.2
-    pipeline, ``ExpertEngines``: each trained expert built on meta and loaded shard by shard by its engine, a
-    frozen one loaded whole in the training dtype."""
+    pipeline, ``ExpertEngines``: each expert built on meta and loaded shard by shard by its engine (a frozen one
+    by an ``FSDPEngine(frozen=True)``, whatever ``factory`` builds the trained ones)."""
     from .build import build_model, engine_settings
-    from .pipeline_io import boundary_ratio, expert_names, load_transformers, meta_transformers
+    from .pipeline_io import boundary_ratio, expert_names, meta_transformers
 
     names = expert_names(config) if model is None else ("transformer",)
     chosen = list(config.model.experts) or list(names)
@@ -156,10 +127,10 @@ def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: A
         raise ConfigError(f"model.pipeline={config.model.pipeline!r} has two transformers but no boundary_ratio")
     trained = meta_transformers(config, tuple(n for n in names if n in chosen))
     engines: dict[str, Any] = {n: factory(m, engine_settings(config, m, n)) for n, m in trained.items()}
-    frozen = tuple(n for n in names if n not in chosen)
-    models = load_transformers(config, frozen) if frozen else {}
-    first = next(iter(engines.values()))
-    experts = {n: engines.get(n) or FrozenExpert(models[n], first) for n in names}
+    frozen = meta_transformers(config, tuple(n for n in names if n not in chosen))
+    for n, m in frozen.items():  # sharded like the trained expert, loaded shard by shard, forward only
+        engines[n] = FSDPEngine(m, engine_settings(config, m, n).replace(frozen=True, lora=None))
+    experts = {n: engines[n] for n in names}
     return ExpertEngines(experts, ratio * 1000.0)
 
 

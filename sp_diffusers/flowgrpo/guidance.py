@@ -79,25 +79,35 @@ def gathers_once(mode: str, engine: Any) -> bool:
 class WeightHolder:
     """``holder(engine)`` returns ``engine`` with its parameters gathered and kept until the holder is closed or
     another engine is asked for (then the previous one is resharded first: one expert's full weights at a time).
-    Disabled: returns engines as they are (FSDP gathers per forward)."""
+    Disabled: returns engines as they are (FSDP gathers per forward). Closing reshards every engine it met, the
+    root's own parameters too (FSDP2 keeps those gathered until a backward, which a frozen expert never runs)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._engine: Any = None
         self._held: contextlib.AbstractContextManager | None = None
+        self._seen: list[Any] = []
 
     def __call__(self, engine: Any) -> Any:
+        if not any(engine is e for e in self._seen):
+            self._seen.append(engine)
         if self.enabled and engine is not self._engine:
-            self.release()
+            self._let_go()
             held = engine.gathered_params()
             held.__enter__()
             self._engine, self._held = engine, held
         return engine
 
-    def release(self) -> None:
+    def _let_go(self) -> None:
         if self._held is not None:
             held, self._held, self._engine = self._held, None, None
             held.__exit__(None, None, None)
+
+    def release(self) -> None:
+        self._let_go()
+        for engine in self._seen:
+            getattr(engine, "release_params", lambda: None)()
+        self._seen = []
 
     def __enter__(self) -> WeightHolder:
         return self

@@ -13,8 +13,9 @@ batch, as the trainer runs both branches in one):
 One fake run per layout traces the pieces in the order the trainer meets them, from the state it leaves between
 iterations (the root module resharded): two rollout forwards, two training micro-steps, the optimizer step, each
 under a :class:`~sp_diffusers.ledger.CommLedger` (the same counting the trainer writes to metrics.jsonl, the
-same bytes). What the first of a kind costs beyond the next (the rollout's gathers; the root module's parameters,
-which FSDP2 keeps gathered after a forward and reshards after a backward) is in the first piece; the iteration is
+same bytes). What the first of a kind costs beyond the next (the rollout's gathers; the root module's own parameters,
+which FSDP2 keeps gathered after a forward until a backward, and the trainer reshards after a rollout) is in the
+first piece; the iteration is
 ``first + (count - 1) x next`` per phase. The trainer's own exchanges outside the model (the batch broadcast to
 the SP group, rewards gathered over data parallelism) are not predicted: a few kilobytes that no layout changes.
 """
@@ -156,7 +157,9 @@ def _rollout_pair(engine: Any, inputs: Any, batch: int, held: bool, ledger: Any)
         engine.forward(**inputs(batch, torch.tensor(500.0)))
         first = ledger.take()
         engine.forward(**inputs(batch, torch.tensor(400.0)))
-        return first, ledger.take()
+        second = ledger.take()
+    engine.release_params()  # as the trainer's WeightHolder closes: the root's own parameters too
+    return first, second
 
 
 def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: bool) -> Pieces:

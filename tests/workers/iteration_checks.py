@@ -4,6 +4,8 @@ ledger as the number of steps and CFG change. Each function returns plain data; 
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 
 from tests.workers.engine_steps import _config, _quiet, _trainer
@@ -112,3 +114,44 @@ def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str,
             "layers": trainer.engine.model.config.num_layers,
         }
     return out
+
+
+def frozen_expert(rank: int, world: int, folder: str) -> dict:
+    """Wan2.2 with only its low-noise expert trained (``model.experts: [transformer_2]``) at ``world`` ranks (SP =
+    world): the frozen high-noise expert's bytes on this rank against its whole size, and one rollout's final latents
+    (the frozen expert runs its steps sharded, gathered once)."""
+    from sp_diffusers.flowgrpo.config import TrainConfig
+
+    _quiet()
+    c = TrainConfig()
+    c.model.pipeline, c.model.frames, c.model.image_size, c.model.experts = folder, 2, 8, ["transformer_2"]
+    c.text.max_sequence_length = 16
+    c.parallel.ulysses_sequence_parallel_size = world
+    c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 6, 1, [5, 6]
+    c.flowgrpo.recompute_old_log_probs, c.flowgrpo.reward = False, "video_color"
+    c.train.out_dir, c.train.progress, c.train.plot = tempfile.mkdtemp(), False, False
+    trainer = _trainer(c)
+    frozen = trainer.engine.experts["transformer"]
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+    traj, *_ = trainer.collect(batch)
+    return {
+        "unsharded": [n for n, p in frozen.model.named_parameters() if not hasattr(p, "to_local")][:10],
+        "frozen": frozen.settings.frozen,
+        "optimizer": frozen.optimizer is not None,
+        "grads": any(p.requires_grad for p in frozen.model.parameters()),
+        "rank_bytes": sum(local(p).numel() * local(p).element_size() for p in frozen.model.parameters()),
+        "full_bytes": sum(p.numel() * p.element_size() for p in frozen.model.parameters()),
+        # FSDP2's rows of each parameter for this rank: torch.chunk of dim 0 over the ranks
+        "chunk_bytes": sum(
+            (len(torch.empty(p.shape[0]).chunk(world)) > rank and torch.empty(p.shape[0]).chunk(world)[rank].numel())
+            * (p.numel() // max(1, p.shape[0]))
+            * p.element_size()
+            for p in frozen.model.parameters()
+        ),
+        "route": list(trainer.engine.route),
+        "final": traj.final.cpu(),
+    }
