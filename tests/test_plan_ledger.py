@@ -22,26 +22,35 @@ MODEL_PHASES = ("rollout", "old_log_probs", "train_forward", "train_backward", "
 STEPS, GROUP, PROMPTS, MICRO, WINDOW = 8, 4, 2, 2, 2  # tests/workers/engine_steps._config: micro 2, window 2
 
 CASES = {
-    # name: (kind, world, cfg scale, rollout.gather_params)
-    "qwenimage-sp2-cfg-held": ("qwenimage", 2, 4.0, "always"),
-    "qwenimage-sp2-per-step": ("qwenimage", 2, 1.0, "never"),
-    "wan-sp2": ("wan", 2, 1.0, "auto"),
-    "qwenimage-dp2-sp2-cfg": ("qwenimage", 4, 4.0, "always"),
-    "wan-dp2-sp2-cfg": ("wan", 4, 4.0, "always"),
+    # name: (kind, world, cfg scale, rollout.gather_params, parallel.dp_replicate)
+    "qwenimage-sp2-cfg-held": ("qwenimage", 2, 4.0, "always", 1),
+    "qwenimage-sp2-per-step": ("qwenimage", 2, 1.0, "never", 1),
+    "wan-sp2": ("wan", 2, 1.0, "auto", 1),
+    "qwenimage-dp2-sp2-cfg": ("qwenimage", 4, 4.0, "always", 1),
+    "qwenimage-hsdp2-sp2": ("qwenimage", 4, 1.0, "always", 2),  # HSDP: the SP group shards, two replicas
+    "wan-dp2-sp2-cfg": ("wan", 4, 4.0, "always", 1),
 }
 
 
 @functools.cache
 def _counted(kind: str, world: int) -> dict:
     runs = {
-        name: {"num_steps": STEPS, "cfg_scale": cfg, "window_range": [1, 2], "rollout": {"gather_params": gather}}
-        for name, (k, w, cfg, gather) in CASES.items()
+        name: {
+            "num_steps": STEPS,
+            "cfg_scale": cfg,
+            "window_range": [1, 2],
+            "rollout": {"gather_params": gather},
+            "parallel": {"dp_replicate": replicate},
+        }
+        for name, (k, w, cfg, gather, replicate) in CASES.items()
         if (k, w) == (kind, world)
     }
     return run_distributed("tests.workers.iteration_checks:iteration_ledgers", world, 2, kind, runs)[0]
 
 
-def _predicted(kind: str, world: int, cfg: float, gather: str, text_len: int) -> dict[str, tuple[int, int]]:
+def _predicted(
+    kind: str, world: int, cfg: float, gather: str, replicate: int, text_len: int
+) -> dict[str, tuple[int, int]]:
     from sp_diffusers.plan.iteration import RLKnobs
     from sp_diffusers.plan.ledger_prediction import predict_iteration_ledger
     from sp_diffusers.plan.models import FAMILIES, ModelSpec
@@ -51,17 +60,18 @@ def _predicted(kind: str, world: int, cfg: float, gather: str, text_len: int) ->
     spec = ModelSpec(f"tiny-{kind}", kind, tiny_model_config(kind, num_layers=2), FAMILIES[kind])
     grid = (2, 4, 4) if kind == "wan" else (1, 4, 4)  # latent 8 x 8 (2 frames for Wan), patch 2
     rl = RLKnobs(STEPS, cfg > 1, WINDOW, GROUP, PROMPTS, gather)
-    ledger = predict_iteration_ledger(spec, Workload(MICRO, grid, text_len), world, 2, rl, held=gather != "never")
+    work = Workload(MICRO, grid, text_len)
+    ledger = predict_iteration_ledger(spec, work, world, 2, rl, held=gather != "never", replicate=replicate)
     return {f"{phase}/{k}": v for (phase, k), v in ledger.items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_planner_predicts_the_counted_ledger_to_the_byte(case):
-    kind, world, cfg, gather = CASES[case]
+    kind, world, cfg, gather, replicate = CASES[case]
     counted = _counted(kind, world)[case]
     assert counted["gathered_once"] is (gather != "never")
     mine = {k: tuple(v) for k, v in counted["steady"].items() if k.split("/")[0] in MODEL_PHASES}
-    predicted = _predicted(kind, world, cfg, gather, counted["text_len"])
+    predicted = _predicted(kind, world, cfg, gather, replicate, counted["text_len"])
     assert predicted == mine
     kinds = {k.split("/")[1] for k in mine}
     assert {"param_gather", "grad_reduce", "activation", "agreement"} <= kinds  # every kind is held, not a few

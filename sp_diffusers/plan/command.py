@@ -34,6 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     gpu = p.add_argument_group("GPUs")
     gpu.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
+    gpu.add_argument(
+        "--nodes", type=int, default=1,
+        help="nodes the GPUs are spread over (default 1): collectives that cross them use the inter-node bandwidth, "
+        "and HSDP with a replica per node is planned too",
+    )
     gpu.add_argument("--gpu", default="h100", help=f"preset: {', '.join(GPUS)} (default h100)")
     gpu.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU (default: the preset's)")
     gpu.add_argument(
@@ -47,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay = p.add_argument_group("layout and training")
     lay.add_argument("--ulysses", type=int, default=None, help="fix the Ulysses degree (default: enumerate)")
     lay.add_argument("--ring", type=int, default=None, help="fix the ring degree (default: enumerate)")
+    lay.add_argument(
+        "--replicate", type=int, default=None,
+        help="fix HSDP's replica groups (parallel.dp_replicate; default: 1, and one per node with --nodes)",
+    )
     lay.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: full fine-tuning)")
     lay.add_argument(
         "--activation-checkpointing", choices=("on", "off", "auto"), default="auto", help="auto: plan both"
@@ -105,7 +114,13 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
             args.frames if args.frames is not None else (spec.default_size[2] if spec.family.video else 1)
         )
         work = workload_from_pixels(spec, args.height, args.width, frames, args.batch, args.text_len)
-    hw = hardware(args.gpu, args.gpu_memory, args.tflops, args.bandwidth, args.efficiency)
+    nodes = args.nodes
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or args.gpus % nodes:
+        raise PlanError(f"--nodes {nodes!r} is invalid: a positive integer that divides --gpus {args.gpus}")
+    hw = hardware(
+        args.gpu, args.gpu_memory, args.tflops, args.bandwidth, args.efficiency,
+        gpus_per_node=args.gpus // nodes if nodes > 1 else None,
+    )
     return PlanRequest(
         spec,
         work,
@@ -120,6 +135,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         target=args.target,
         workers=args.workers,
         rl=_rl_knobs(args),
+        nodes=nodes,
+        replicate=args.replicate,
     )
 
 
@@ -162,6 +179,10 @@ def selection(p: LayoutPlan, req: PlanRequest) -> dict[str, Any]:
         "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": p.ulysses,
         "actor_rollout_ref.model.ring_degree": p.ring,
     }
+    if p.replicate > 1:  # HSDP: verl names the shard group's size
+        engine["dp_replicate"] = p.replicate
+        keys["parallel.dp_replicate"] = p.replicate
+        verl["actor_rollout_ref.actor.fsdp_config.fsdp_size"] = req.gpus // p.replicate
     return {"engine_arguments": engine, "config_keys": keys, "verl_keys": verl}
 
 
@@ -186,6 +207,7 @@ def plan_to_json(plan: Plan, seconds: float) -> dict[str, Any]:
         },
         "training": {"lora_rank": req.lora_rank, "dtype": req.dtype, "target": req.target},
         "gpus": req.gpus,
+        "nodes": req.nodes,
         "hardware": {
             "name": hw.name,
             "memory_gib": hw.memory_gib,
@@ -217,13 +239,14 @@ def print_table(plan: Plan, seconds: float, file: Any = None) -> None:
     print(f"  micro-batch: {req.work.describe(req.spec)}", file=out)
     usable = hw.memory_gib - req.reserve
     print(
-        f"  GPUs: {req.gpus} x {hw.name}: {hw.memory_gib:g} GiB, {usable:.1f} usable ({req.reserve:.1f} GiB reserve)",
+        f"  GPUs: {req.gpus} x {hw.name}: {hw.memory_gib:g} GiB, {usable:.1f} usable ({req.reserve:.1f} GiB reserve)"
+        + (f", {req.nodes} nodes of {hw.gpus_per_node} ({hw.inter_node_bandwidth:g} GB/s between them)" if req.nodes > 1 else ""),
         file=out,
     )
     print(file=out)
     if req.rl is not None:
         print_iterations(plan, out)
-    head = " ulysses ring  dp ckpt |  peak GiB  params   grads   optim   activ buffers | rollout |  fits | step s samples/s"
+    head = " ulysses ring  dp rep ckpt |  peak GiB  params   grads   optim   activ buffers | rollout |  fits | step s samples/s"
     print(head, file=out)
     print("-" * len(head), file=out)
     for p in sorted(plan.layouts, key=lambda p: (not p.fits, -p.samples_per_second)):
@@ -231,7 +254,7 @@ def print_table(plan: Plan, seconds: float, file: Any = None) -> None:
             _gib(p.parts[k]) + " " for k in ("parameters", "gradients", "optimizer", "activations")
         )
         print(
-            f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
+            f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {p.replicate:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
             f"   {_gib(p.peak_bytes)} {parts}{_gib(p.parts['buffers'])} | {_gib(p.rollout_peak_bytes)} |"
             f" {'  yes' if p.fits else '   no'} | {p.step['total']:6.2f} {p.samples_per_second:9.3f}",
             file=out,
@@ -247,7 +270,9 @@ def print_table(plan: Plan, seconds: float, file: Any = None) -> None:
         sel = selection(best, req)
         ckpt = "on" if best.activation_checkpointing else "off"
         print(
-            f"recommended: ulysses={best.ulysses} ring={best.ring} dp={best.dp} activation checkpointing {ckpt}: "
+            f"recommended: ulysses={best.ulysses} ring={best.ring} dp={best.dp}"
+            + (f" (HSDP: {best.replicate} replicas)" if best.replicate > 1 else "")
+            + f" activation checkpointing {ckpt}: "
             f"peak {best.peak_bytes / GIB:.1f} GiB ({best.where}), step {best.step['total']:.2f} s, "
             f"{best.samples_per_second:.3f} samples/s",
             file=out,
@@ -279,7 +304,7 @@ def print_iterations(plan: Plan, out: Any) -> None:
         file=out,
     )
     head = (
-        " ulysses ring  dp ckpt | once | rollout s  old s  train s   iter s | img/GPU/s |"
+        " ulysses ring  dp rep ckpt | once | rollout s  old s  train s   iter s | img/GPU/s |"
         " gather GB reduce GB activ GB"
     )
     print(head, file=out)
@@ -288,7 +313,7 @@ def print_iterations(plan: Plan, out: Any) -> None:
         it, sec = p.iteration, p.iteration["seconds"]
         moved = {k: sum(v.get(k, [0, 0])[1] for v in it["ledger"].values()) / 1e9 for k in _KINDS}
         print(
-            f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
+            f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {p.replicate:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
             f" {'yes ' if it['rollout_gathers_once'] else ' no '} | {sec['rollout']:9.2f} {sec['old_log_probs']:6.2f}"
             f" {sec['train']:8.2f} {sec['total']:8.2f} | {it['images_per_gpu_second']:9.3f} |"
             f" {moved['param_gather']:9.2f} {moved['grad_reduce']:9.2f} {moved['activation']:8.2f}"

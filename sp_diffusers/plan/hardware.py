@@ -8,7 +8,9 @@ Step time, per micro-batch on one GPU (stated as a model, not measured):
     fsdp     = bytes FSDP's all-gathers and reduce-scatters send / bandwidth   (prefetched: hidden behind compute)
     step     = compute + sp + max(0, fsdp - compute)
 
-A collective whose group spans more GPUs than one node holds uses the inter-node bandwidth.
+A collective whose group spreads over more consecutive ranks than one node holds (``--nodes``: the GPUs divided
+evenly; else 8 per node) uses the inter-node bandwidth: a data-parallel FSDP group of 16 ranks on 2 nodes, or
+HSDP's replica groups (ranks one node apart), while HSDP's shard groups stay inside a node.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def hardware(
     tflops: float | None = None,
     bandwidth: float | None = None,
     efficiency: float | None = None,
+    gpus_per_node: int | None = None,
 ) -> Hardware:
     """A preset with any of its figures replaced (``--gpu-memory``, ``--tflops``, ``--bandwidth``)."""
     key = preset.lower()
@@ -70,7 +73,7 @@ def hardware(
         tflops if tflops is not None else base.tflops_fp32,
         bandwidth if bandwidth is not None else base.bandwidth,
         base.inter_node_bandwidth,
-        base.gpus_per_node,
+        gpus_per_node if gpus_per_node is not None else base.gpus_per_node,
         efficiency if efficiency is not None else base.efficiency,
     )
 
@@ -81,8 +84,8 @@ def step_seconds(
     """The step-time model of the module doc: its terms and the total, in seconds."""
     compute = flops / (hw.tflops(dtype) * 1e12 * hw.efficiency)
     terms = {"sp": 0.0, "fsdp": 0.0, "other": 0.0}
-    for (kind, group), nbytes in comm.items():
-        bw = hw.bandwidth if group <= hw.gpus_per_node else hw.inter_node_bandwidth
+    for (kind, span), nbytes in comm.items():
+        bw = hw.bandwidth if span <= hw.gpus_per_node else hw.inter_node_bandwidth
         terms[kind] += nbytes / (bw * 1e9)
     exposed = terms["sp"] + terms["other"] + max(0.0, terms["fsdp"] - compute)
     return {

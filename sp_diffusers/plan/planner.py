@@ -17,6 +17,7 @@ from typing import Any
 from .extrapolate import combine, shortcut_counts
 from .hardware import Hardware, step_seconds
 from .iteration import Pieces, RLKnobs, compose, iteration_seconds
+from .layouts import checkpointing, layouts, replicates
 from .models import ModelSpec, PlanError
 from .shapes import Workload
 from .trace import Measure, TraceRequest, block_lists
@@ -43,9 +44,9 @@ class PlanRequest:
     target: str = "cuda"  # "cpu": predict a CPU process (the accuracy benchmark)
     workers: int | None = None  # trace processes; None: one per CPU core (at most 4); 1: in this process
     shortcut: bool = True  # the block shortcut; False traces the whole model (slow; tests)
-    rl: RLKnobs | None = (
-        None  # plan --rl: the RL iteration (plan/iteration.py); work.batch is the micro-batch
-    )
+    rl: RLKnobs | None = None  # plan --rl: the RL iteration (plan/iteration.py); work.batch is the micro-batch
+    nodes: int = 1  # the GPUs' nodes (hardware.gpus_per_node = gpus / nodes); > 1 also plans HSDP per node
+    replicate: int | None = None  # fixed HSDP replica count (parallel.dp_replicate); None: layouts.replicates
 
     @property
     def reserve(self) -> float:
@@ -60,6 +61,7 @@ class LayoutPlan:
     ring: int
     dp: int
     activation_checkpointing: bool
+    replicate: int = 1  # HSDP replica groups (parallel.dp_replicate); 1: FSDP over every GPU
     peak_bytes: int = 0
     parts: dict[str, int] = field(default_factory=dict)
     where: str = ""  # the place of the peak
@@ -77,6 +79,7 @@ class LayoutPlan:
             "ulysses": self.ulysses,
             "ring": self.ring,
             "dp": self.dp,
+            "replicate": self.replicate,
             "activation_checkpointing": self.activation_checkpointing,
             "peak_bytes": self.peak_bytes,
             "parts": dict(self.parts),
@@ -101,52 +104,6 @@ class Plan:
     notes: list[str]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _heads(spec: ModelSpec) -> int:
-    return int(spec.config.get("num_attention_heads", 1))
-
-
-def layouts(req: PlanRequest) -> list[tuple[int, int]]:
-    """Every (ulysses, ring) to plan; bad fixed degrees are refused with the valid ones."""
-    gpus, heads = req.gpus, _heads(req.spec)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise PlanError(f"--gpus {gpus!r} is invalid: it must be a positive integer")
-    ok_u = [u for u in _divisors(gpus) if heads % u == 0]
-    for name, value in (("--ulysses", req.ulysses), ("--ring", req.ring)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PlanError(f"{name} {value!r} is invalid: it must be a positive integer")
-    if req.ulysses is not None and req.ulysses not in ok_u:
-        why = []
-        if gpus % req.ulysses:
-            why.append(f"does not divide --gpus {gpus}")
-        if heads % req.ulysses:
-            why.append(f"does not divide the {heads} attention heads of {req.spec.name}")
-        raise PlanError(f"--ulysses {req.ulysses} {' and '.join(why)}; fix: one of {ok_u}")
-    us = [req.ulysses] if req.ulysses is not None else ok_u
-    pairs = []
-    for u in us:
-        rings = _divisors(gpus // u)
-        if req.ring is not None:
-            if req.ring not in rings:
-                raise PlanError(
-                    f"--ring {req.ring} with --ulysses {u}: ulysses x ring = {u * req.ring} does not divide "
-                    f"--gpus {gpus}; fix: a ring degree among {rings}"
-                )
-            rings = [req.ring]
-        pairs += [(u, r) for r in rings]
-    return pairs
-
-
-def _checkpointing(req: PlanRequest) -> list[bool]:
-    choices = {"on": [True], "off": [False], "auto": [False, True]}
-    if req.checkpointing not in choices:
-        raise PlanError(f"--activation-checkpointing {req.checkpointing!r}: choose on, off or auto")
-    return choices[req.checkpointing]
-
-
 def _check(req: PlanRequest) -> None:
     if req.dtype not in ("bf16", "fp32"):
         raise PlanError(f"--dtype {req.dtype!r}: choose bf16 or fp32")
@@ -164,13 +121,18 @@ def _check(req: PlanRequest) -> None:
         )
 
 
+def _combos(req: PlanRequest) -> list[tuple[int, int, int]]:
+    """Every (ulysses, ring, replicate) to plan."""
+    return [(u, r, rep) for u, r in layouts(req) for rep in replicates(req, u, r)]
+
+
 def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
     counts = shortcut_counts(lists) if req.shortcut else [lists]
     # --rl: a training micro-step runs both CFG branches in one forward
     work = replace(req.work, batch=req.work.batch * 2) if req.rl is not None and req.rl.cfg else req.work
     tasks = []
-    for u, r in layouts(req):
-        for i, ckpt in enumerate(_checkpointing(req)):
+    for u, r, rep in _combos(req):
+        for i, ckpt in enumerate(checkpointing(req)):
             for c in counts:
                 tasks.append(
                     TraceRequest(
@@ -186,6 +148,7 @@ def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
                         tuple(c.items()),
                         rollout=i == 0,
                         rl=req.rl,
+                        replicate=rep,
                     )
                 )
     return tasks
@@ -337,20 +300,22 @@ def _iteration(
 def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
     """Trace every layout of ``req`` and rank them (see the module doc)."""
     _check(req)
-    pairs, ckpts = layouts(req), _checkpointing(req)
+    combos, ckpts = _combos(req), checkpointing(req)
     lists = block_lists(req.spec)
     tasks = _tasks(req, lists)
     workers = req.workers if req.workers is not None else min(4, os.cpu_count() or 1)
     results = run_all(tasks, min(workers, len(tasks)), progress)
-    per = len(tasks) // (len(pairs) * len(ckpts))
+    per = len(tasks) // (len(combos) * len(ckpts))
     extras = _allowance(req)
     plans, rollouts = [], {}
-    for i, (u, r, ckpt) in enumerate((u, r, c) for u, r in pairs for c in ckpts):
+    for i, (u, r, rep, ckpt) in enumerate((*combo, c) for combo in combos for c in ckpts):
         chunk = results[i * per : (i + 1) * per]
         train = combine(lists, [m[0] for m in chunk]) if req.shortcut else chunk[0][0]
         if chunk[0][1] is not None:
-            rollouts[(u, r)] = combine(lists, [m[1] for m in chunk]) if req.shortcut else chunk[0][1]
-        plans.append(_layout_plan(req, u, r, ckpt, train, rollouts[(u, r)], extras))
+            rollouts[(u, r, rep)] = combine(lists, [m[1] for m in chunk]) if req.shortcut else chunk[0][1]
+        plan = _layout_plan(req, u, r, ckpt, train, rollouts[(u, r, rep)], extras)
+        plan.replicate = rep
+        plans.append(plan)
     fitting = [p for p in plans if p.fits]
     if req.rl is not None:  # the iteration's throughput, not one train step's
         best = max(fitting, key=lambda p: (p.iteration["images_per_gpu_second"], -p.peak_bytes), default=None)

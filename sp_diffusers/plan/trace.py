@@ -63,6 +63,7 @@ class TraceRequest:
     # plan --rl: the iteration's knobs (plan/iteration.py); the rollout is then traced at its own batch with the
     # weights held gathered, and the iteration's pieces are counted (Measure.pieces of the train measure)
     rl: Any = None
+    replicate: int = 1  # HSDP replica groups (EngineSettings.dp_replicate)
 
 
 @dataclass
@@ -138,6 +139,7 @@ def _engine(req: TraceRequest, model: torch.nn.Module):
     settings = EngineSettings(
         ulysses_sequence_parallel_size=req.ulysses,
         ring_degree=req.ring,
+        dp_replicate=req.replicate,
         lora=lora,
         mixed_precision="bf16" if req.dtype == "bf16" else None,
         activation_checkpointing=req.checkpointing,

@@ -117,6 +117,16 @@ _INPUT_SECOND = ("alltoall_base_", "_allgather_base_", "_reduce_scatter_base_") 
 _SP_OPS = ("alltoall_base_", "alltoall_", "_allgather_base_", "allgather_", "send")
 
 
+def _span(group: Any, size: int) -> int:
+    """How many consecutive ranks ``group``'s ranks spread over (its size when they are adjacent; HSDP's replica
+    groups are strided): a group whose span exceeds a node's GPUs crosses nodes (``hardware.step_seconds``)."""
+    try:
+        ranks = torch.distributed.get_process_group_ranks(group)
+    except (RuntimeError, ValueError, KeyError):  # a group torch.distributed does not list: its ranks adjacent
+        return size
+    return max(ranks) - min(ranks) + 1 if ranks else size
+
+
 def _key(category: Any) -> str:
     return str(category.value) if isinstance(category, Enum) else str(category)
 
@@ -196,7 +206,7 @@ class _PlaceRecorder:
         self._segments: list[list[Any]] = []  # [phase, block or None, peak total, snapshot]
         self._segment_key: tuple | None = None
         self.peak_total = 0
-        self.comm: dict[tuple[str, int], float] = defaultdict(float)
+        self.comm: dict[tuple[str, int], float] = defaultdict(float)  # (kind, ranks spanned) -> bytes sent
 
     def _watch(self, block: torch.nn.Module, info: tuple[str, int, int]) -> None:
         """Forward hooks mark the block running; a hook on its outputs' gradients marks the start of its
@@ -266,7 +276,8 @@ class _PlaceRecorder:
         boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
         if boxed is None:
             return
-        size = int(torch.distributed.ProcessGroup.unbox(boxed).size())
+        group = torch.distributed.ProcessGroup.unbox(boxed)
+        size = int(group.size())
         if size <= 1:
             return
         tensors = _tensors(args[1] if name in _INPUT_SECOND else args[0])
@@ -275,10 +286,10 @@ class _PlaceRecorder:
         # reduce-scatters after a backward; the rest move activations (SP) or a few scalars (other)
         state = str(getattr(self, "_fsdp_state", ""))
         fsdp = (name == "_allgather_base_" and ("PRE_FW" in state or "PRE_BW" in state)) or (
-            name == "_reduce_scatter_base_" and "POST_BW" in state
+            name in ("_reduce_scatter_base_", "allreduce_") and "POST_BW" in state  # HSDP: all-reduce across
         )
         kind = "fsdp" if fsdp else "sp" if name in _SP_OPS else "other"
-        self.comm[(kind, size)] += nbytes * factor(size)
+        self.comm[(kind, _span(group, size))] += nbytes * factor(size)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # a fake tensor's device query is dispatched as an op (prim.device), from C++, thousands of times a step;

@@ -83,7 +83,7 @@ def rollout_modes(rank: int, world: int, sp: int, kinds: list[str]) -> dict:
 
 
 def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str, dict]) -> dict:
-    """One training iteration per run (``{name: {flowgrpo key: value, "rollout": {key: value}}}``): this rank's
+    """One training iteration per run (``{name: {flowgrpo key: value, "rollout" / "parallel": {key: value}}}``): this rank's
     ledger (``(phase, kind) -> (calls, bytes)``, as strings) and the reward, for the same first batch."""
     from sp_diffusers.ledger import CommLedger
 
@@ -91,10 +91,12 @@ def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str,
     out: dict = {}
     for name, settings in runs.items():
         settings = dict(settings)
-        rollout = settings.pop("rollout", {})
+        rollout, parallel = settings.pop("rollout", {}), settings.pop("parallel", {})
         config = _kind_config(sp, kind, drop_zero_advantage=False, **settings)
         for key, value in rollout.items():
             setattr(config.rollout, key, value)
+        for key, value in parallel.items():
+            setattr(config.parallel, key, value)
         trainer = _trainer(config)
         ledger = CommLedger()
         with ledger.recording():
