@@ -51,7 +51,7 @@ def _config(workload: str, steps: int, cfg: float, rollout: dict):
         c.model.overrides = {"num_layers": 2}
     c.parallel.ulysses_sequence_parallel_size = 2
     c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = steps, cfg
-    c.flowgrpo.window_size, c.flowgrpo.window_range = 2, [1, 3]
+    c.flowgrpo.window_size, c.flowgrpo.window_range = 2, [1, 2]
     c.flowgrpo.drop_zero_advantage = False  # every variant trains the same samples
     c.optim.lr = 0.0  # the same iteration at every repetition
     for key, value in rollout.items():

@@ -62,3 +62,18 @@ def test_video_train_step_runs_the_same_update_everywhere(tmp_path):
     assert all(v > 0 for v in result["time_s"].values()) and all(
         v > 0 for v in result["peak_mib_per_rank"].values()
     )
+
+
+def test_rl_iteration_gathers_once_where_it_gathered_every_step(tmp_path):
+    from benchmarks import rl_iteration
+
+    out = tmp_path / "rl.json"
+    rl_iteration.main(["--workload", "image", "--steps", "3", "--repeats", "1", "--json", str(out)])
+    image = json.loads(out.read_text())["image"]
+    before, after = (image["ledger"][v] for v in ("before", "after"))
+    # before: each of the 3 steps gathers both blocks, twice with CFG (the root once); after: the root and the blocks once
+    assert before["rollout/param_gather"][0] == 3 * 2 * 2 + 1 and after["rollout/param_gather"][0] == 3
+    assert "old_log_probs/param_gather" in before and "old_log_probs/param_gather" not in after
+    # the same iteration: CFG in one forward equals two, to fp32 rounding (tests/test_rl_iteration.py)
+    assert abs(image["reward_mean"]["before"] - image["reward_mean"]["after"]) <= 1e-5
+    assert set(image["seconds"]) == {"before", "after"}
