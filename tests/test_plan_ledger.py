@@ -22,8 +22,9 @@ MODEL_PHASES = ("rollout", "old_log_probs", "train_forward", "train_backward", "
 STEPS, GROUP, PROMPTS, MICRO, WINDOW = 8, 4, 2, 2, 2  # tests/workers/engine_steps._config: micro 2, window 2
 
 CASES = {
-    # name: (kind, world, cfg scale, rollout.gather_params, parallel.dp_replicate)
+    # name: (kind, world, cfg scale, rollout.gather_params, parallel.dp_replicate[, update.gather_params])
     "qwenimage-sp2-cfg-held": ("qwenimage", 2, 4.0, "always", 1),
+    "qwenimage-sp2-update-held": ("qwenimage", 2, 1.0, "always", 1, "always"),
     "qwenimage-sp2-per-step": ("qwenimage", 2, 1.0, "never", 1),
     "wan-sp2": ("wan", 2, 1.0, "auto", 1),
     "qwenimage-dp2-sp2-cfg": ("qwenimage", 4, 4.0, "always", 1),
@@ -41,15 +42,16 @@ def _counted(kind: str, world: int) -> dict:
             "window_range": [1, 2],
             "rollout": {"gather_params": gather},
             "parallel": {"dp_replicate": replicate},
+            "update": {"gather_params": update[0] if update else "never"},
         }
-        for name, (k, w, cfg, gather, replicate) in CASES.items()
+        for name, (k, w, cfg, gather, replicate, *update) in CASES.items()
         if (k, w) == (kind, world)
     }
     return run_distributed("tests.workers.iteration_checks:iteration_ledgers", world, 2, kind, runs)[0]
 
 
 def _predicted(
-    kind: str, world: int, cfg: float, gather: str, replicate: int, text_len: int
+    kind: str, world: int, cfg: float, gather: str, replicate: int, update: str, text_len: int
 ) -> dict[str, tuple[int, int]]:
     from sp_diffusers.plan.iteration import RLKnobs
     from sp_diffusers.plan.ledger_prediction import predict_iteration_ledger
@@ -59,19 +61,21 @@ def _predicted(
 
     spec = ModelSpec(f"tiny-{kind}", kind, tiny_model_config(kind, num_layers=2), FAMILIES[kind])
     grid = (2, 4, 4) if kind == "wan" else (1, 4, 4)  # latent 8 x 8 (2 frames for Wan), patch 2
-    rl = RLKnobs(STEPS, cfg > 1, WINDOW, GROUP, PROMPTS, gather)
+    rl = RLKnobs(STEPS, cfg > 1, WINDOW, GROUP, PROMPTS, gather, update)
     work = Workload(MICRO, grid, text_len)
-    ledger = predict_iteration_ledger(spec, work, world, 2, rl, held=gather != "never", replicate=replicate)
+    ledger = predict_iteration_ledger(
+        spec, work, world, 2, rl, held=gather != "never", replicate=replicate, update_held=update == "always"
+    )
     return {f"{phase}/{k}": v for (phase, k), v in ledger.items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_planner_predicts_the_counted_ledger_to_the_byte(case):
-    kind, world, cfg, gather, replicate = CASES[case]
+    kind, world, cfg, gather, replicate, *update = CASES[case]
     counted = _counted(kind, world)[case]
     assert counted["gathered_once"] is (gather != "never")
     mine = {k: tuple(v) for k, v in counted["steady"].items() if k.split("/")[0] in MODEL_PHASES}
-    predicted = _predicted(kind, world, cfg, gather, replicate, counted["text_len"])
+    predicted = _predicted(kind, world, cfg, gather, replicate, (update or ["never"])[0], counted["text_len"])
     assert predicted == mine
     kinds = {k.split("/")[1] for k in mine}
     assert {"param_gather", "grad_reduce", "activation", "agreement"} <= kinds  # every kind is held, not a few

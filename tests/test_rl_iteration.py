@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from ._dist import run_distributed
 
@@ -110,3 +111,22 @@ def test_a_frozen_expert_is_sharded_and_rolls_out_as_one_process(wan22_folder):
         assert r["rank_bytes"] == r["chunk_bytes"] < 0.7 * r["full_bytes"], (r["rank_bytes"], r["full_bytes"])
         assert (r["final"] - ref["final"]).abs().max().item() <= 1e-4
     assert ref["rank_bytes"] == ref["full_bytes"]  # one process: the whole expert
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_an_update_on_held_weights_is_the_update_and_gathers_once(lora):
+    """update.gather_params: always holds the gathered weights over an optimizer step's micro-steps (and their
+    backwards): the same arithmetic on the same weights, so the parameters after the step are equal bit for bit,
+    and the update's parameter gathers drop to one per module (the first forward), none in backward."""
+    for r in run_distributed("tests.workers.iteration_checks:update_modes", 2, 2, lora):
+        per_block, held = r[False], r[True]
+        assert held["held"] is True and per_block["held"] is False
+        assert held["loss"] == per_block["loss"]
+        for name, value in per_block["params"].items():
+            assert torch.equal(held["params"][name], value), name
+        gathers = {k: v for k, v in held["ledger"].items() if k.endswith("/param_gather")}
+        # each module gathered once at most (2 blocks and the root, which the old log-probs' forward left gathered)
+        assert list(gathers) == ["train_forward/param_gather"] and gathers["train_forward/param_gather"][0] <= 3
+        before = per_block["ledger"]
+        assert before["train_backward/param_gather"][0] > 0 and before["train_forward/param_gather"][0] > 3
+        assert held["ledger"]["train_backward/grad_reduce"] == before["train_backward/grad_reduce"]

@@ -223,9 +223,10 @@ class FSDPEngine:
         finally:
             self.model.enable_adapters()
 
-    def gathered_params(self) -> contextlib.AbstractContextManager:
-        """Inside: parameters all-gathered once and held over every forward (a rollout); ``engine/gathering.py``."""
-        return gathering.held(self.model) if self.sharded else contextlib.nullcontext()
+    def gathered_params(self, backward: bool = False) -> contextlib.AbstractContextManager:
+        """Inside: parameters all-gathered once and held over every forward (a rollout) and, with ``backward``, over
+        backwards too (an optimizer step's micro-steps); ``engine/gathering.py``."""
+        return gathering.held(self.model, backward) if self.sharded else contextlib.nullcontext()
 
     def release_params(self) -> None:
         """Only the shards stay: every block and the root's own parameters resharded (``gathering.release``)."""

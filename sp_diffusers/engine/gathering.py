@@ -37,18 +37,32 @@ def _reshards_after_forward(module: torch.nn.Module) -> bool:
     return any(g.post_forward_mesh_info is not None for g in groups)
 
 
+def _reshards_after_backward(module: torch.nn.Module) -> bool:
+    groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+    return any(g.reshard_after_backward for g in groups)
+
+
 @contextlib.contextmanager
-def held(model: torch.nn.Module) -> Iterator[None]:
-    """Inside: each FSDP block of ``model`` gathered at its first forward and kept; after: resharded."""
+def held(model: torch.nn.Module, backward: bool = False) -> Iterator[None]:
+    """Inside: each FSDP block of ``model`` gathered at its first forward and kept; with ``backward``, kept through
+    backward too (the root's own parameters as well): micro-steps of one optimizer step gather once, gradients are
+    still reduce-scattered after each backward. After: every module resharded, its settings restored - before the
+    optimizer steps the shards, whose gathered copies would then be stale."""
     blocks = _blocks(model)
     before = [_reshards_after_forward(b) for b in blocks]
+    everyone = [model, *blocks] if backward else []
+    before_bw = [_reshards_after_backward(m) for m in everyone]
     for b in blocks:
         b.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+    for m in everyone:
+        m.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
     try:
         yield
     finally:
         for b, value in zip(blocks, before, strict=True):
             b.set_reshard_after_forward(value, recurse=False)  # type: ignore[operator]
+        for m, value in zip(everyone, before_bw, strict=True):
+            m.set_reshard_after_backward(value, recurse=False)  # type: ignore[operator]
         release(model)
 
 

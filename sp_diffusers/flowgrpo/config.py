@@ -136,6 +136,16 @@ class RolloutConfig:
 
 
 @dataclass
+class UpdateConfig:
+    # the policy update's parameters: "always" gathered at an optimizer step's first micro-step and held through
+    # its forwards and backwards (gradients still reduce-scattered after each backward), resharded before the step:
+    # one gather per optimizer step instead of two per micro-step; "never" per block, as FSDP does; "auto" held
+    # where the whole model in the compute dtype fits with a quarter of the device to spare (training's
+    # activations must fit in that quarter: plan --rl says whether they do)
+    gather_params: str = "never"
+
+
+@dataclass
 class DataConfig:
     # a .txt (one prompt a line) or .jsonl ({"prompt": ..., other fields go to the rewards as metadata}) file,
     # shuffled per epoch from train.seed; "": the `prompts` list, drawn at random
@@ -166,6 +176,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     flowgrpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.text.DEFAULT_PROMPTS
@@ -297,12 +308,11 @@ def validate(config: TrainConfig) -> None:
         "must be >= 1 (1: no CFG)",
     )
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _require(
-        config.rollout.gather_params in GATHER_MODES,
-        "rollout.gather_params",
-        config.rollout.gather_params,
-        f"one of {', '.join(GATHER_MODES)}",
-    )
+    for key, value in (
+        ("rollout.gather_params", config.rollout.gather_params),
+        ("update.gather_params", config.update.gather_params),
+    ):
+        _require(value in GATHER_MODES, key, value, f"one of {', '.join(GATHER_MODES)}")
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
         _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
     _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")

@@ -63,6 +63,14 @@ class ExpertEngines:
                 stack.enter_context(e.eval_mode())
             yield
 
+    @contextlib.contextmanager
+    def gathered_params(self, backward: bool = False) -> Iterator[None]:
+        """Every trained expert's parameters held (an optimizer step's micro-steps may run both)."""
+        with contextlib.ExitStack() as stack:
+            for e in self.trained.values():
+                stack.enter_context(e.gathered_params(backward))
+            yield
+
     def zero_grad(self) -> None:
         for e in self.trained.values():
             e.zero_grad()

@@ -136,6 +136,7 @@ class FlowGRPOTrainer:
         self.start_iteration = 0
         self.log = RunLog(self.out_dir, self.rank)
         self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
+        self._update_gather: bool | None = None  # update.gather_params, decided at the first update
         self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
 
     @property
@@ -229,6 +230,13 @@ class FlowGRPOTrainer:
         total, each = self.rewards(final, batch["prompts"], batch.get("metadata"))
         return to_device(total, final.device), to_device(each, final.device)
 
+    def _update_holds(self) -> bool:
+        """``update.gather_params``, decided at the first update (after a rollout: its activations are freed), the
+        same on every rank (``guidance.gathers_once``)."""
+        if self._update_gather is None:
+            self._update_gather = gathers_once(self.config.update.gather_params, self.engine)
+        return self._update_gather
+
     def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
         return gather_dp(self.engine, t)
 
@@ -250,6 +258,7 @@ class FlowGRPOTrainer:
             batch["shuffle_seed"],
             batch.get("kept_indices"),
             self.config.rollout.cfg_batch,
+            self._update_holds(),
         )
         if metrics["trained_samples"] == 0:  # every advantage 0 on every rank: no step anywhere
             lr = self.engine.optimizer.param_groups[0]["lr"]
@@ -330,6 +339,7 @@ class FlowGRPOTrainer:
                 as_metrics(self.ledger.take())
             )  # this rank's collectives, as metrics.jsonl keeps them
             metrics["rollout_gathered_once"] = float(bool(self._gather_once))
+            metrics["update_gathered_once"] = float(bool(self._update_gather))
             self.log.append(metrics)  # and the progress bar
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
                 self.save(it + 1)

@@ -12,6 +12,7 @@ collectives pair up across ranks). None of them: no optimizer step at all, on ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -107,10 +108,12 @@ def policy_update(
     shuffle_seed: int,
     indices: torch.Tensor | None = None,
     cfg_batch: bool = True,
+    hold_params: bool = False,
 ) -> dict[str, float]:
     """``g.inner_epochs`` passes over the rollout's samples ``indices`` (default: all) in ``g.mini_batches``
     optimizer steps; metrics averaged over every (micro-batch, trained step), plus the last step's optimizer
-    metrics (grad norm, lr). ``old_log_probs`` is ``[B, T]``, aligned with ``traj.steps()``."""
+    metrics (grad norm, lr). ``old_log_probs`` is ``[B, T]``, aligned with ``traj.steps()``. ``hold_params``: each
+    optimizer step's micro-steps run on parameters gathered once (``update.gather_params``)."""
     if indices is None:
         indices = torch.arange(traj.latents.shape[0])
     indices = indices.cpu()  # host indices (from the host-side selection): shuffled and cut on the host
@@ -127,30 +130,32 @@ def policy_update(
             micros = mini.split(g.micro_batch_size)
             normalizer = float(len(micros) * num_trained)
             engine.zero_grad()
-            for micro in micros:
-                idx = to_device(micro, device)
-                cond = cond_of(idx)
-                for k in range(num_trained):
-                    loss_fn = functools.partial(
-                        window_step_loss,
-                        adapter=adapter,
-                        schedule=schedule,
-                        rule=rule,
-                        g=g,
-                        traj=traj,
-                        k=k,
-                        idx=idx,
-                        cond=cond,
-                        advantages=advantages,
-                        old_log_probs=old_log_probs,
-                        normalizer=normalizer,
-                        cfg_batch=cfg_batch,
-                    )
-                    # two experts: the one that runs this step (the same on every rank: experts.py)
-                    for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():
-                        if isinstance(value, float) or (torch.is_tensor(value) and value.numel() == 1):
-                            sums[key] = sums.get(key, 0.0) + value
-                    count += 1
+            # held: gathered at the first micro-step, resharded before the optimizer changes the shards
+            with engine.gathered_params(backward=True) if hold_params else contextlib.nullcontext():
+                for micro in micros:
+                    idx = to_device(micro, device)
+                    cond = cond_of(idx)
+                    for k in range(num_trained):
+                        loss_fn = functools.partial(
+                            window_step_loss,
+                            adapter=adapter,
+                            schedule=schedule,
+                            rule=rule,
+                            g=g,
+                            traj=traj,
+                            k=k,
+                            idx=idx,
+                            cond=cond,
+                            advantages=advantages,
+                            old_log_probs=old_log_probs,
+                            normalizer=normalizer,
+                            cfg_batch=cfg_batch,
+                        )
+                        # two experts: the one that runs this step (the same on every rank: experts.py)
+                        for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():
+                            if isinstance(value, float) or (torch.is_tensor(value) and value.numel() == 1):
+                                sums[key] = sums.get(key, 0.0) + value
+                        count += 1
             optim_metrics = engine.optimizer_step()  # one read per optimizer step: the gradient norm
     out = fetch_scalars({k: v / max(1, count) for k, v in sums.items()})  # and one for the update's metrics
     out.update(optim_metrics)

@@ -88,6 +88,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="rollout weights gathered once (always), per step (never), or once where they fit (auto; "
         "rollout.gather_params)",
     )
+    rl.add_argument(
+        "--update-gather", choices=("auto", "always", "never"), default="never",
+        help="the update's weights gathered once per optimizer step (always), per block (never), or once where "
+        "they fit (auto; update.gather_params)",
+    )
     rl.add_argument("--kl", action="store_true", help="a KL reference forward per trained step (LoRA)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -152,6 +157,7 @@ def _rl_knobs(args: argparse.Namespace) -> RLKnobs | None:
         group_size=args.group_size,
         prompts_per_rank=args.prompts_per_rank,
         gather=args.gather,
+        update_gather=args.update_gather,
         kl=args.kl,
     )
 
@@ -175,6 +181,7 @@ def selection(p: LayoutPlan, req: PlanRequest) -> dict[str, Any]:
         keys.update({"lora.enabled": True, "lora.rank": req.lora_rank})
     if req.rl is not None and p.iteration:
         keys["rollout.gather_params"] = "always" if p.iteration["rollout_gathers_once"] else "never"
+        keys["update.gather_params"] = "always" if p.iteration["update_gathers_once"] else "never"
     verl = {
         "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": p.ulysses,
         "actor_rollout_ref.model.ring_degree": p.ring,
@@ -304,7 +311,7 @@ def print_iterations(plan: Plan, out: Any) -> None:
         file=out,
     )
     head = (
-        " ulysses ring  dp rep ckpt | once | rollout s  old s  train s   iter s | img/GPU/s |"
+        " ulysses ring  dp rep ckpt | once upd | rollout s  old s  train s   iter s | img/GPU/s |"
         " gather GB reduce GB activ GB"
     )
     print(head, file=out)
@@ -314,7 +321,7 @@ def print_iterations(plan: Plan, out: Any) -> None:
         moved = {k: sum(v.get(k, [0, 0])[1] for v in it["ledger"].values()) / 1e9 for k in _KINDS}
         print(
             f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {p.replicate:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
-            f" {'yes ' if it['rollout_gathers_once'] else ' no '} | {sec['rollout']:9.2f} {sec['old_log_probs']:6.2f}"
+            f" {'yes ' if it['rollout_gathers_once'] else ' no '} {'yes' if it['update_gathers_once'] else ' no'} | {sec['rollout']:9.2f} {sec['old_log_probs']:6.2f}"
             f" {sec['train']:8.2f} {sec['total']:8.2f} | {it['images_per_gpu_second']:9.3f} |"
             f" {moved['param_gather']:9.2f} {moved['grad_reduce']:9.2f} {moved['activation']:8.2f}"
             + ("" if p.fits else "  (does not fit)"),

@@ -84,7 +84,8 @@ def combine(lists: dict[str, int], measures: list[Measure]) -> Measure:
         comm[key] = max(0.0, b + sum(extra[n] * (variants[n].comm.get(key, 0.0) - b) for n in grown))
     pieces = {name: _grown_ledger(lists, base, variants, name) for name in base.pieces}
     per_step = combine(lists, [m.per_step for m in measures]) if base.per_step is not None else None
-    return Measure(places, max(0, flops), comm, pieces, per_step)
+    held = combine(lists, [m.held_update for m in measures]) if base.held_update is not None else None
+    return Measure(places, max(0, flops), comm, pieces, per_step, held)
 
 
 def _grown_ledger(lists: dict[str, int], base: Measure, variants: dict[str, Measure], piece: str) -> dict:

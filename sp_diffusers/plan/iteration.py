@@ -48,6 +48,7 @@ class RLKnobs:
     group_size: int = 16  # samples per prompt (flowgrpo.group_size)
     prompts_per_rank: int = 1  # prompts per data-parallel rank (flowgrpo.prompts_per_rank)
     gather: str = "auto"  # rollout.gather_params: once ("always"), per step ("never"), or auto by memory
+    update_gather: str = "never"  # update.gather_params: held over an optimizer step's micro-steps, or per block
     recompute_old_log_probs: bool = True
     kl: bool = False  # a KL reference forward (adapters off, LoRA only) per trained step
 
@@ -72,8 +73,9 @@ class RLKnobs:
                 f"rank (--prompts-per-rank {self.prompts_per_rank} x --group-size {self.group_size}); fix: a "
                 "divisor of it"
             )
-        if self.gather not in ("auto", "always", "never"):
-            raise PlanError(f"--gather {self.gather!r}: choose auto, always or never")
+        for name, value in (("--gather", self.gather), ("--update-gather", self.update_gather)):
+            if value not in ("auto", "always", "never"):
+                raise PlanError(f"{name} {value!r}: choose auto, always or never")
         if self.kl and not lora:
             raise PlanError("--kl needs --lora-rank: the reference is the base model with the adapters off")
 
@@ -90,6 +92,8 @@ class Pieces:
     train_first: Ledger
     train_next: Ledger
     optimizer: Ledger
+    update_first: Ledger  # the training micro-steps on weights held over an optimizer step
+    update_next: Ledger
 
     def as_dict(self) -> dict[str, Ledger]:
         return dict(vars(self))
@@ -102,9 +106,9 @@ def _axpy(into: dict, ledger: Ledger, times: int, phase: str | None = None) -> N
         into[key] = (c + times * calls, b + times * nbytes)
 
 
-def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool) -> Ledger:
+def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool, update_held: bool = False) -> Ledger:
     """The iteration's ledger of one rank: each phase's first piece plus ``count - 1`` next ones; ``held``: the
-    rollout's weights gathered once."""
+    rollout's weights gathered once; ``update_held``: the optimizer step's micro-steps on weights gathered once."""
     out: dict = {}
     first, nxt = (pieces.held_first, pieces.held_next) if held else (pieces.step_first, pieces.step_next)
     _axpy(out, first, 1)
@@ -112,8 +116,11 @@ def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool) -> Ledger
     if rl.recompute_old_log_probs:
         _axpy(out, nxt, rl.trained_steps, phase="old_log_probs")
     micro_steps = rl.samples // micro_batch * rl.trained_steps
-    _axpy(out, pieces.train_first, 1)
-    _axpy(out, pieces.train_next, micro_steps - 1)
+    train_first, train_next = (
+        (pieces.update_first, pieces.update_next) if update_held else (pieces.train_first, pieces.train_next)
+    )
+    _axpy(out, train_first, 1)
+    _axpy(out, train_next, micro_steps - 1)
     _axpy(out, pieces.optimizer, 1)
     return {k: v for k, v in out.items() if v[0]}
 
@@ -187,7 +194,18 @@ def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: 
         train_next = ledger.take()
         engine.optimizer_step()
         optimizer = ledger.take()
-    return Pieces(held_first, held_next, step_first, step_next, train_first, train_next, optimizer)
+        _rollout_pair(engine, inputs, rollout_batch, held=True, ledger=ledger)  # the next iteration's state
+        ledger.take()
+        with engine.gathered_params(backward=True):
+            engine.forward_backward(None, loss_fn)
+            update_first = ledger.take()
+            engine.forward_backward(None, loss_fn)
+            update_next = ledger.take()
+        engine.optimizer_step()
+        ledger.take()
+    return Pieces(
+        held_first, held_next, step_first, step_next, train_first, train_next, optimizer, update_first, update_next
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- time

@@ -25,14 +25,15 @@ def predict_iteration_ledger(
     lora_rank: int | None = None,
     dtype: str = "fp32",
     replicate: int = 1,
+    update_held: bool = False,
 ) -> Ledger:
     """Rank 0's ledger of one iteration (``work.batch`` the training micro-batch, ``work.text_len`` the text the
     model sees) at ``world`` ranks of ``ulysses x ring`` SP groups (``replicate`` HSDP replica groups); ``held``: the
-    rollout's weights gathered once."""
+    rollout's weights gathered once; ``update_held``: an optimizer step's micro-steps on weights gathered once."""
     batch = work.batch * (2 if rl.cfg else 1)
     req = TraceRequest(
         spec, replace(work, batch=batch), world, ulysses, ring, False, lora_rank, dtype, "cpu", rollout=False, rl=rl,
         replicate=replicate,
     )
     train, _ = run_trace(req)
-    return compose(Pieces(**train.pieces), rl, work.batch, held)
+    return compose(Pieces(**train.pieces), rl, work.batch, held, update_held)

@@ -233,6 +233,14 @@ def _layout_plan(
 ) -> LayoutPlan:
     start = train.places.get(("start",), dict.fromkeys(PARTS, 0))
     resident = {k: (req.spec.experts - 1) * start[k] for k in ("parameters", "optimizer")}
+    limit = (req.hardware.memory_gib - req.reserve) * GIB
+    pieces, update_held = train.pieces, False
+    if req.rl is not None and train.held_update is not None:  # update.gather_params: auto = where it fits
+        _, held_parts = _peak(_adjusted(train.held_update, *extras, resident))
+        update_held = req.rl.update_gather == "always" or (
+            req.rl.update_gather == "auto" and held_parts["total"] <= limit
+        )
+        train = train.held_update if update_held else train
     adjusted = _adjusted(train, *extras, resident)
     place, parts = _peak(adjusted)
     _, rollout_parts = _peak(_adjusted(rollout, extras[0], extras[0], resident))
@@ -241,10 +249,11 @@ def _layout_plan(
         comm[kind] += nbytes
     step = step_seconds(req.hardware, req.dtype, train.flops, train.comm)
     dp = req.gpus // (u * r)
-    limit = (req.hardware.memory_gib - req.reserve) * GIB
     iteration = {}
     if req.rl is not None:
-        iteration, rollout_parts = _iteration(req, u * r, train, rollout, resident, extras, limit, step)
+        held_rollout, rollout_parts, held_peak = _rollout_hold(req, rollout, resident, extras, limit)
+        iteration = _iteration(req, u * r, pieces, rollout, step, held_rollout, update_held)
+        iteration["rollout_peak_bytes_held"] = held_peak
     return LayoutPlan(
         u,
         r,
@@ -264,37 +273,43 @@ def _layout_plan(
     )
 
 
+def _rollout_hold(
+    req: PlanRequest, rollout: Measure, resident: dict, extras: tuple[int, int], limit: float
+) -> tuple[bool, dict[str, int], int]:
+    """Whether the rollout holds its weights (``rollout.gather_params``: auto = where its peak with them fits), the
+    rollout's peak parts as it then runs, and its peak with the weights held."""
+    assert req.rl is not None
+    _, held_parts = _peak(_adjusted(rollout, extras[0], extras[0], resident))
+    held = req.rl.gather == "always" or (req.rl.gather == "auto" and held_parts["total"] <= limit)
+    measure = rollout if held or rollout.per_step is None else rollout.per_step
+    return held, _peak(_adjusted(measure, extras[0], extras[0], resident))[1], held_parts["total"]
+
+
 def _iteration(
     req: PlanRequest,
     sp: int,
-    train: Measure,
+    pieces: dict,
     rollout: Measure,
-    resident: dict,
-    extras: tuple[int, int],
-    limit: float,
     step: dict[str, float],
-) -> tuple[dict[str, Any], dict[str, int]]:
-    """plan --rl: whether the rollout holds its weights (``rollout.gather_params``: auto = where its peak with them
-    fits), the iteration's seconds by phase and ledger, images per GPU per second; and the rollout's peak parts."""
+    held: bool,
+    update_held: bool,
+) -> dict[str, Any]:
+    """plan --rl: the iteration's seconds by phase and ledger, images per GPU per second."""
     rl = req.rl
     assert rl is not None
-    _, held_parts = _peak(_adjusted(rollout, extras[0], extras[0], resident))
-    held = rl.gather == "always" or (rl.gather == "auto" and held_parts["total"] <= limit)
-    measure = rollout if held or rollout.per_step is None else rollout.per_step
-    _, rollout_parts = _peak(_adjusted(measure, extras[0], extras[0], resident))
     forward = step_seconds(req.hardware, req.dtype, rollout.flops, rollout.comm)
     seconds = iteration_seconds(forward, step, forward["fsdp_comm"], rl, req.work.batch, held)
-    ledger = compose(Pieces(**train.pieces), rl, req.work.batch, held)
+    ledger = compose(Pieces(**pieces), rl, req.work.batch, held, update_held)
     by_phase: dict[str, dict[str, list[int]]] = {}
     for (phase, kind), (calls, nbytes) in sorted(ledger.items()):
         by_phase.setdefault(phase, {})[kind] = [calls, nbytes]
     return {
         "rollout_gathers_once": held,
-        "rollout_peak_bytes_held": held_parts["total"],
+        "update_gathers_once": update_held,
         "seconds": seconds,
         "images_per_gpu_second": rl.samples / (sp * seconds["total"]) if seconds["total"] > 0 else 0.0,
         "ledger": by_phase,
-    }, rollout_parts
+    }
 
 
 def make_plan(req: PlanRequest, progress: bool = False) -> Plan:

@@ -77,6 +77,7 @@ class Measure:
         default_factory=dict
     )  # plan --rl ledgers
     per_step: Measure | None = None  # plan --rl's rollout: the forward with per-forward gathers (this: held)
+    held_update: Measure | None = None  # plan --rl's train step on weights held over the micro-steps
 
 
 def block_lists(spec: ModelSpec) -> dict[str, int]:
@@ -220,7 +221,7 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
                 raise
             rollout = None
             if req.rl is not None:
-                rollout, train.pieces = _iteration(req, engine, lists)
+                rollout, train.pieces, train.held_update = _iteration(req, engine, lists, batch)
             elif req.rollout:
                 rollout = _traced(engine, lists, inputs, lambda: _rollout(engine, inputs))
     finally:
@@ -236,9 +237,12 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     return train, rollout
 
 
-def _iteration(req: TraceRequest, engine: Any, lists: dict[str, int]) -> tuple[Measure, dict]:
-    """plan --rl: a rollout forward at the rollout's batch with the weights held (its peak holds them all), then
-    the iteration's pieces, counted (``plan/iteration.py``)."""
+def _iteration(
+    req: TraceRequest, engine: Any, lists: dict[str, int], batch: dict[str, Any]
+) -> tuple[Measure, dict, Measure | None]:
+    """plan --rl: a rollout forward at the rollout's batch with the weights held (its peak holds them all), the
+    train step on weights held over its micro-steps (``update.gather_params``), then the iteration's pieces,
+    counted (``plan/iteration.py``)."""
     from .iteration import iteration_inputs, trace_pieces
 
     rl = req.rl
@@ -259,8 +263,19 @@ def _iteration(req: TraceRequest, engine: Any, lists: dict[str, int]) -> tuple[M
     if rl.gather != "always":
         engine.model.reshard()
         rollout.per_step = _traced(engine, lists, rollout_inputs, per_step_forward)
+    held_update = None
+    if rl.update_gather != "never":
+
+        def held_step() -> None:
+            engine.zero_grad()
+            with engine.gathered_params(backward=True):
+                engine.forward_backward(batch, plan_loss)
+            engine.optimizer_step()
+
+        engine.release_params()
+        held_update = _traced(engine, lists, batch["inputs"], held_step)
     pieces = trace_pieces(engine, make, rl, micro, req.lora_rank is not None)
-    return rollout, pieces.as_dict()
+    return rollout, pieces.as_dict(), held_update
 
 
 def _rollout(engine: Any, inputs: dict[str, Any]) -> None:

@@ -83,20 +83,20 @@ def rollout_modes(rank: int, world: int, sp: int, kinds: list[str]) -> dict:
 
 
 def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str, dict]) -> dict:
-    """One training iteration per run (``{name: {flowgrpo key: value, "rollout" / "parallel": {key: value}}}``): this rank's
-    ledger (``(phase, kind) -> (calls, bytes)``, as strings) and the reward, for the same first batch."""
+    """One training iteration per run (``{name: {flowgrpo key: value, section: {key: value}}}``, sections
+    ``rollout``, ``parallel``, ``update``): this rank's ledger (``(phase, kind) -> (calls, bytes)``, as strings)
+    and the reward, for the same first batch."""
     from sp_diffusers.ledger import CommLedger
 
     _quiet()
     out: dict = {}
     for name, settings in runs.items():
         settings = dict(settings)
-        rollout, parallel = settings.pop("rollout", {}), settings.pop("parallel", {})
+        sections = {section: settings.pop(section, {}) for section in ("rollout", "parallel", "update")}
         config = _kind_config(sp, kind, drop_zero_advantage=False, **settings)
-        for key, value in rollout.items():
-            setattr(config.rollout, key, value)
-        for key, value in parallel.items():
-            setattr(config.parallel, key, value)
+        for section, values in sections.items():
+            for key, value in values.items():
+                setattr(getattr(config, section), key, value)
         trainer = _trainer(config)
         ledger = CommLedger()
         with ledger.recording():
@@ -157,3 +157,29 @@ def frozen_expert(rank: int, world: int, folder: str) -> dict:
         "route": list(trainer.engine.route),
         "final": traj.final.cpu(),
     }
+
+
+def update_modes(rank: int, world: int, sp: int, lora: bool) -> dict:
+    """One policy update (2 micro-batches x 2 trained steps, one optimizer step) on the same data twice: per-block
+    gathers and weights held over the micro-steps (``update.gather_params``): the parameters after the step and
+    each update's ledger."""
+    from sp_diffusers.ledger import CommLedger
+    from tests.workers.engine_steps import _full, _global_data, _my_batch
+
+    _quiet()
+    out: dict = {}
+    for hold in (False, True):
+        config = _config(sp, lora)
+        config.update.gather_params = "always" if hold else "never"
+        trainer = _trainer(config)
+        batch, traj, adv, old = _my_batch(trainer, _global_data(trainer))
+        ledger = CommLedger()
+        with ledger.recording():
+            metrics = trainer.update(batch, traj, adv, old)
+        out[hold] = {
+            "params": {n: _full(p) for n, p in trainer.engine.model.named_parameters() if p.requires_grad},
+            "ledger": {f"{p}/{k}": v for (p, k), v in ledger.take().items()},
+            "loss": metrics["loss"],
+            "held": trainer._update_gather,
+        }
+    return out
