@@ -18,6 +18,7 @@ from typing import Any
 __all__ = ["GATHER_MODES", "ConfigError", "TrainConfig", "apply_overrides", "load_config", "validate"]
 
 GATHER_MODES = ("auto", "always", "never")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 class ConfigError(ValueError):
@@ -165,6 +166,10 @@ class TrainLoopConfig:
     seed: int = 0
     progress: bool = True
     plot: bool = True
+    # where rank 0 writes the metrics: jsonl (always), tensorboard (when installed), wandb (Weights & Biases;
+    # WANDB_MODE=offline keeps the run on disk, `wandb sync` uploads it later)
+    loggers: list = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    wandb_project: str = "sp-diffusers"
 
 
 @dataclass
@@ -316,6 +321,17 @@ def validate(config: TrainConfig) -> None:
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
         _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
     _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
+    unknown = [x for x in t.loggers if x not in LOGGERS]
+    _require(not unknown, "train.loggers", t.loggers, f"each one of {', '.join(LOGGERS)} (unknown: {unknown})")
+    if "wandb" in t.loggers:
+        import importlib.util
+
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            "train.loggers",
+            t.loggers,
+            "wandb is not installed; fix: pip install 'sp-diffusers[wandb]' (or drop wandb from train.loggers)",
+        )
     _require(
         not t.eval_every or bool(config.data.eval),
         "train.eval_every",

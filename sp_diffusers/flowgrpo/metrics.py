@@ -1,5 +1,5 @@
-"""A run's metrics: the in-memory history, ``metrics.jsonl`` (rank 0), TensorBoard when installed, the progress bar,
-the plot.
+"""A run's metrics: the in-memory history, ``metrics.jsonl`` (rank 0), TensorBoard when installed, Weights & Biases
+when asked (``train.loggers``), the progress bar, the plot.
 
 On resume the file is cut back to the checkpoint's iteration, so a run restarted from step N continues the
 same file with N + 1 (no iteration twice).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,15 @@ __all__ = ["RunLog"]
 class RunLog:
     """Per-iteration metrics of one run; only ``rank == 0`` writes anything."""
 
-    def __init__(self, out_dir: Path, rank: int) -> None:
+    def __init__(
+        self, out_dir: Path, rank: int, loggers: tuple[str, ...] = ("jsonl", "tensorboard"), project: str = ""
+    ) -> None:
         self.out_dir, self.rank = Path(out_dir), rank
+        self.loggers, self.project = tuple(loggers), project or "sp-diffusers"
         self.path = self.out_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
         self._tb = None
+        self._wandb = None
         self._bar = None
 
     def start_progress(self, total: int, initial: int) -> None:
@@ -38,12 +43,15 @@ class RunLog:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(config, indent=2))
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if "tensorboard" in self.loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
-        except Exception:  # tensorboard is optional
-            self._tb = None
+                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+            except Exception:  # tensorboard is optional
+                self._tb = None
+        if "wandb" in self.loggers:
+            self._wandb = _wandb_run(self.out_dir, self.project, config)
 
     def append(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
@@ -51,10 +59,12 @@ class RunLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, metrics["iteration"])
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, metrics["iteration"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(metrics["iteration"]))
         if self._bar is not None:
             self._bar.update(1)
             # what moves in an on-policy run (its loss is ~0 and ppo_kl 0 by construction)
@@ -85,7 +95,25 @@ class RunLog:
             self._bar = None
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
         if plot:
             from .plot import plot_metrics
 
             plot_metrics(self.history, self.out_dir / "metrics.png", title or self.out_dir.name)
+
+
+def _wandb_run(out_dir: Path, project: str, config: dict[str, Any]) -> Any:
+    """A Weights & Biases run for ``out_dir``: its id kept in ``out_dir/wandb_run_id``, so a run resumed from a
+    checkpoint continues the same W&B run (W&B keeps the first value of a step it has seen: the iterations redone
+    after a restart show in metrics.jsonl, not twice there); files under ``out_dir/wandb``. ``WANDB_MODE=offline``
+    writes it to disk only."""
+    import wandb
+
+    id_file = out_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(8)
+    id_file.write_text(run_id)
+    return wandb.init(
+        project=project, name=out_dir.name, id=run_id, resume="allow", dir=str(out_dir), config=config
+    )

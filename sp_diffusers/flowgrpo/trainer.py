@@ -134,7 +134,7 @@ class FlowGRPOTrainer:
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.start_iteration = 0
-        self.log = RunLog(self.out_dir, self.rank)
+        self.log = RunLog(self.out_dir, self.rank, tuple(c.train.loggers), c.train.wandb_project)
         self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
         self._update_gather: bool | None = None  # update.gather_params, decided at the first update
         self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
