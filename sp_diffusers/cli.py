@@ -118,20 +118,46 @@ def _export(args: argparse.Namespace) -> int:
     """``sp-diffusers export --run RUN_DIR --out DIR``: the run's weights in diffusers' formats (one process)."""
     from .flowgrpo.export import export_run
 
-    result = export_run(args.run, args.out, step=args.step, dtype=args.dtype)
+    result = export_run(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force, link=args.link)
+    for note in result.notes:
+        print(note)
     for name, folder in result.transformers.items():
         print(f"{name}: {folder} (save_pretrained{', LoRA merged' if result.loras else ''})")
     for name, file in result.loras.items():
         print(f"{name} LoRA: {file} (load_lora_weights / load_lora_adapter)")
     if result.pipeline is not None:
         print(f"pipeline: {result.pipeline} (DiffusionPipeline.from_pretrained)")
-    print(f"from checkpoint {result.step} of {args.run}")
+        how = ", ".join(f"{n} file{'s' * (n != 1)} {_FILE_WAYS[k]}" for k, n in sorted(result.files.items()))
+        print(f"the source pipeline's other files: {how or 'none'}")
+        if result.files.get("link"):
+            print(
+                "  hard links share their inode with the source pipeline's files; both are read-only now, so a write "
+                "into the export fails instead of changing the source (root ignores that: do not write into it as root)"
+            )
+    print(f"from checkpoint {result.step} of {args.run}" + ("; the previous export there was replaced" if result.replaced else ""))
     return 0
+
+
+_FILE_WAYS = {
+    "clone": "cloned copy-on-write (no shared inode)",
+    "copy": "copied (no shared inode)",
+    "link": "hard-linked (--link: one inode with the source, read-only)",
+}
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="a training run's out_dir (config.json + checkpoints/)")
-    p.add_argument("--out", required=True, help="the folder to write (created)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the folder to write: new, empty, or an earlier export with --force (written beside it, renamed into place)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the export already at --out (whole; never other folders)")
+    p.add_argument(
+        "--link",
+        action="store_true",
+        help="hard-link the source pipeline's files instead of copying them (no space; made read-only, source included)",
+    )
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     p.add_argument(
         "--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="weights' dtype on disk (default fp32)"
