@@ -82,7 +82,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    if args.check:
+    if args.check:  # the folders and files it names too, as training reads them first (no weights loaded)
+        from .flowgrpo.preflight import check_config
+
+        for line in check_config(config):
+            print(line)
         print(f"config OK: {args.config or '(defaults)'} -> {config.train.out_dir}")
         return 0
     plan.check_launch(int(os.environ.get("WORLD_SIZE", "1")))
@@ -262,7 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit (no training)"
     )
-    p_train.add_argument("--check", action="store_true", help="validate the config and exit (no training)")
+    p_train.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config and the folders and files it names (model.kind against model.pipeline, the "
+        "components the run needs, rewards, prompt files) and exit; no weights are loaded",
+    )
     p_train.add_argument(
         "overrides",
         nargs="*",

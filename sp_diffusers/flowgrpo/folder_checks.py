@@ -161,10 +161,10 @@ def _check_components(config: TrainConfig, index: dict[str, Any]) -> list[str]:
     for name, why in _needs(config, index).items():
         on_disk = (folder / name / "scheduler_config.json").is_file() if name == "scheduler" else (folder / name).is_dir()
         if not (present(index, name) and on_disk):
-            where = "is not listed in model_index.json" if not present(index, name) else f"has no {name}/ subfolder"
+            where = "its model_index.json lists none" if not present(index, name) else f"no {name}/ subfolder"
             raise ConfigError(
-                f"model.pipeline={config.model.pipeline!r} {where}, and this run needs its {name} ({why}); fix: "
-                f"{_fix(name)}"
+                f"model.pipeline={config.model.pipeline!r} has no {name} ({where}), and this run needs it ({why}); "
+                f"fix: {_fix(name)}"
             )
         lines.append(f"  {name}: {index[name][1]} ({why})")
     return lines
@@ -199,6 +199,12 @@ def check_model_folder(config: TrainConfig) -> list[str]:
         c.kind, index = _pipeline_family(config)
         lines = [f"model.pipeline={c.pipeline}: a {index['_class_name']}; model.kind={c.kind} ({source})"]
         return lines + _check_components(config, index)
+    pixels = _pixel_rewards(config)
+    if pixels:  # the trainer would refuse it too, but only after loading the model
+        raise ConfigError(
+            f"flowgrpo.rewards: {', '.join(pixels)} read(s) pixels, but this run has no VAE to decode them; fix: "
+            "model.pipeline=<a diffusers pipeline folder with a vae>, or input: latents"
+        )
     if c.pretrained:
         c.kind = _pretrained_family(config)
         return [f"model.pretrained={c.pretrained}: a {KINDS[c.kind]}; model.kind={c.kind} ({source})"]

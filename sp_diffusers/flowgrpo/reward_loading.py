@@ -145,10 +145,11 @@ def entry_input(entry: Any) -> str | None:
 
 
 def entry_name(entry: Any) -> str:
-    """How a ``flowgrpo.rewards`` entry is named before it is imported: its ``name``, else its ``fn``."""
+    """How a ``flowgrpo.rewards`` entry is named before it is imported: its ``name``, else the callable's name in
+    its ``fn`` (what ``__name__`` usually is)."""
     if isinstance(entry, dict):
-        return str(entry.get("name") or entry.get("fn"))
-    return str(entry)
+        return str(entry.get("name") or str(entry.get("fn")).rpartition(":")[2])
+    return str(entry).rpartition(":")[2]
 
 
 def _entry(i: int, entry: Any) -> RewardSpec:
