@@ -8,7 +8,10 @@ and ``demo`` run under a launcher: ``torchrun --nproc_per_node 2 -m sp_diffusers
 console script, ``torchrun --nproc_per_node 2 --no-python sp-diffusers train ...``.
 
 A mistake in the command or the config prints one block, once (rank 0), and exits with status 2; the
-other ranks stay quiet (``SP_DIFFUSERS_TRACEBACK=1`` re-raises it with its traceback).
+other ranks stay quiet (``SP_DIFFUSERS_TRACEBACK=1`` re-raises it with its traceback). A failure during a run that
+every rank learns together and whose message names the fix (a reward that raises or returns a wrong shape or a
+non-finite score, on whichever rank) prints the same way and exits with status 1 on every rank; checkpoint and data
+errors are usage errors (status 2) wherever they happen.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ DESCRIPTION = (
     "--no-python sp-diffusers train ...')."
 )
 USAGE_ERROR = 2
+RUN_FAILED = 1  # the command was right; the run failed in a way its message explains (a reward)
 
 
 def _rank() -> int:
+    """This process's rank: the process group's where one is joined (also without a launcher's ``RANK``)."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
@@ -324,6 +332,13 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, MeshError, CheckpointError, UnsupportedDiffusersError, FileNotFoundError, ValueError)
 
 
+def _run_failures() -> tuple[type[BaseException], ...]:
+    """Failures during a run that every rank raises alike, with the fix in the message: one block too."""
+    from .flowgrpo.reward_scoring import RewardError
+
+    return (RewardError,)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -335,16 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except _usage_errors() as err:
+    except _usage_errors() + _run_failures() as err:
         if os.environ.get("SP_DIFFUSERS_TRACEBACK"):
             raise
-        if _rank() == 0:
+        if _rank() == 0:  # every rank holds the same error: one block
             print(
                 f"sp-diffusers {args.command}: error: {err}\n(SP_DIFFUSERS_TRACEBACK=1 shows where it came from)",
                 file=sys.stderr,
                 flush=True,
             )
-        return USAGE_ERROR
+        return RUN_FAILED if isinstance(err, _run_failures()) else USAGE_ERROR
 
 
 if __name__ == "__main__":
