@@ -97,16 +97,26 @@ def prepare_target(out: Path, force: bool) -> tuple[bool, list[str]]:
         restored = _recover(out)
         if restored:
             notes.append(restored)
+    try:
+        return _replaces(out, force), notes
+    except ConfigError as err:
+        if not notes:
+            raise
+        raise ConfigError(f"{err} (before that: {'; '.join(notes)})") from None
+
+
+def _replaces(out: Path, force: bool) -> bool:
+    """Whether ``out`` holds an export to replace (False: nothing there yet); ``ConfigError`` where it may not go."""
     if out.is_symlink():
         raise ConfigError(f"--out {out} is a symbolic link; fix: --out the folder itself ({os.path.realpath(out)})")
     if not out.exists():
-        return False, notes
+        return False
     if not out.is_dir():
         raise ConfigError(f"--out {out} is a file; fix: --out a new folder (it is created)")
     marker = read_marker(out)
     if marker is None:
         if not any(out.iterdir()):
-            return False, notes
+            return False
         raise ConfigError(
             f"--out {out} holds files and is not an export (no {MARKER}); export never writes into such a folder, "
             "even with --force, so nothing of yours (a pipeline, a run) is overwritten; fix: --out a new folder"
@@ -117,7 +127,7 @@ def prepare_target(out: Path, force: bool) -> tuple[bool, list[str]]:
             f"--out {out} already holds an export{what}; fix: --force to replace it (whole: nothing of it is kept), "
             "or --out another folder"
         )
-    return True, notes
+    return True
 
 
 def staging_folder(out: Path) -> Path:
