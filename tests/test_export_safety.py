@@ -220,3 +220,22 @@ def test_link_is_asked_for_said_and_read_only(capsys, runs, tmp_path):
         for src in pipeline.rglob("*"):  # the next tests' source is writable again
             if src.is_file():
                 src.chmod(src.stat().st_mode | stat.S_IWUSR)
+
+
+def test_an_export_racing_another_writer_keeps_what_is_there(capsys, runs, tmp_path, monkeypatch):
+    from sp_diffusers.flowgrpo import export
+
+    out = tmp_path / "export"
+    write = export._write
+
+    def raced(config, run_dir, stage, *args):  # another export publishes while this one writes
+        result = write(config, run_dir, stage, *args)
+        out.mkdir()
+        (out / "sp_diffusers_export.json").write_text('{"run": "the other export"}')
+        return result
+
+    monkeypatch.setattr(export, "_write", raced)
+    status, _, err = _export(capsys, runs["a"], out)
+    assert status == 2 and f"--out {out} was written by something else while this export ran" in err
+    assert _files(out) == {"sp_diffusers_export.json": hashlib.sha256(b'{"run": "the other export"}').hexdigest()}
+    assert _beside(out) == []  # this export's staging folder is gone: no mix, no leftovers

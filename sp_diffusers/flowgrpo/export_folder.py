@@ -158,7 +158,15 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish(stage: Path, out: Path, replace: bool) -> None:
     """Rename the finished ``stage`` to ``out``; the export that was there (``replace``) goes only after."""
     if not replace:
-        os.rename(stage, out)
+        try:
+            os.rename(stage, out)  # onto nothing, or an empty folder
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            raise ConfigError(
+                f"--out {out} was written by something else while this export ran (another export?); this one is "
+                "dropped and that one kept; fix: run the export again (with --force to replace what is there)"
+            ) from None
         return
     if _exchange(stage, out):
         shutil.rmtree(stage)  # now the previous export
