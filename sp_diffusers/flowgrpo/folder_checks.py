@@ -209,4 +209,4 @@ def check_model_folder(config: TrainConfig) -> list[str]:
         c.kind = _pretrained_family(config)
         return [f"model.pretrained={c.pretrained}: a {KINDS[c.kind]}; model.kind={c.kind} ({source})"]
     c.kind = c.kind or TINY_KIND
-    return [f"model: the tiny {c.kind} model ({'given' if given else 'the default'}), random weights"]
+    return [f"model: the tiny {c.kind} model (no model.pipeline or model.pretrained), random weights"]
