@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -165,7 +166,7 @@ def test_without_an_atomic_exchange_a_death_between_the_renames_is_repaired(caps
     before = _files(out)
     # a replace that died after moving the previous export aside, before renaming the new one in
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    os.rename(out, out.parent / f".export.previous-{dead.stdout.strip()}")
+    os.rename(out, out.parent / f".export.previous-{dead.stdout.strip()}@{socket.gethostname()}.d")
     status, _, err = _export(capsys, runs["a"], out)
     assert status == 2 and "already holds an export" in err  # it is back, and is not replaced without --force
     assert f"(before that: restored the previous export {out} from .export.previous-" in err

@@ -2,12 +2,12 @@
 
 Nothing a user already has is overwritten or corrupted:
 
-- **Atomic.** Everything is written into ``.<name>.partial-<pid>-<random>`` next to ``--out`` (the same file
-  system, so the final rename is a rename, not a copy) and published by one rename. An export already at ``--out``
-  is swapped out in one step (Linux ``renameat2(RENAME_EXCHANGE)``) and only then removed; where the system has no
-  exchange, it is first renamed aside to ``.<name>.previous-<pid>``, and a later export puts it back if the process
-  died between the two renames. A killed export leaves the previous one as it was (and its staging folder, which
-  the next export of that target removes once its process is gone).
+- **Atomic.** Everything is written into ``.<name>.partial-<pid>@<host>.<random>`` next to ``--out`` (the same
+  file system, so the final rename is a rename, not a copy) and published by one rename. An export already at
+  ``--out`` is swapped out in one step (Linux ``renameat2(RENAME_EXCHANGE)``) and only then removed; where the
+  system has no exchange, it is first renamed aside to ``.<name>.previous-<pid>@<host>.d``, and a later export puts
+  it back if the process died between the two renames. A killed export leaves the previous one as it was (and its
+  staging folder, which the next export of that target on the same host removes once its process is gone).
 - **Only an export is replaced, and only with ``--force``.** An export is recognised by ``sp_diffusers_export.json``
   at its top; an existing folder without it (a pipeline, a run, anything else) is refused, with or without
   ``--force``; an empty folder is taken.
@@ -23,9 +23,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import json
 import os
 import shutil
+import socket
 import stat
 import tempfile
 from collections import Counter
@@ -63,12 +65,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _tag(out: Path, kind: str) -> str:
+    """``.<name>.<kind>-<pid>@<host>.``: whose staging (``partial``) or set-aside (``previous``) folder it is."""
+    return f".{out.name}.{kind}-{os.getpid()}@{socket.gethostname()}."
+
+
 def _leftovers(out: Path, kind: str) -> list[tuple[Path, int]]:
-    """``(path, pid)`` of the ``.<name>.<kind>-<pid>...`` folders beside ``out``."""
+    """``(path, pid)`` of this host's ``.<name>.<kind>-<pid>@<host>.`` folders beside ``out`` (another host's
+    processes cannot be asked whether they still run: their folders are left alone)."""
     found = []
-    for path in out.parent.glob(f".{out.name}.{kind}-*"):
-        pid = path.name[len(f".{out.name}.{kind}-") :].split("-", 1)[0]
-        if pid.isdigit():
+    head, host = f".{out.name}.{kind}-", f"@{socket.gethostname()}."
+    for path in out.parent.glob(glob.escape(head) + "*"):
+        pid, sep, rest = path.name[len(head) :].partition("@")
+        if pid.isdigit() and sep and ("@" + rest).startswith(host):
             found.append((path, int(pid)))
     return found
 
@@ -133,7 +142,7 @@ def _replaces(out: Path, force: bool) -> bool:
 def staging_folder(out: Path) -> Path:
     """A new empty folder beside ``out`` to write the export into (``publish`` renames it into place)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    stage = Path(tempfile.mkdtemp(prefix=_tag(out, "partial"), dir=out.parent))
     umask = os.umask(0o022)
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp's 0o700 would become the export's own mode: as mkdir makes it
@@ -171,7 +180,7 @@ def publish(stage: Path, out: Path, replace: bool) -> None:
     if _exchange(stage, out):
         shutil.rmtree(stage)  # now the previous export
         return
-    aside = out.parent / f".{out.name}.previous-{os.getpid()}"
+    aside = out.parent / (_tag(out, "previous") + "d")
     os.rename(out, aside)
     os.rename(stage, out)
     shutil.rmtree(aside)
