@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GATHER_MODES", "TINY_KIND", "ConfigError", "TrainConfig", "apply_overrides", "load_config", "validate"]
+__all__ = ["GATHER_MODES", "ConfigError", "TrainConfig", "apply_overrides", "load_config", "validate"]
 
 GATHER_MODES = ("auto", "always", "never")
-TINY_KIND = "qwenimage"  # model.kind left out, and no folder to take it from: the tiny model of this family
 
 
 class ConfigError(ValueError):
     """A config key or value that cannot be used; the message names it and the fix."""
+
+
+TINY_KIND = "qwenimage"  # model.kind left out, and no folder to take it from: the tiny model of this family
 
 
 @dataclass
