@@ -12,7 +12,7 @@ pipe=runs/tiny-$family-pipeline run=runs/tiny-$family-sp2 out=runs/tiny-$family-
   "from sp_diffusers.tiny import save_tiny_pipeline; save_tiny_pipeline('$family', '$pipe', num_layers=2)"
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers train \
   --config examples/configs/tiny_pipeline_sp2.yaml --set "model.pipeline=$pipe" --out-dir "$run" "$@"
-.venv/bin/sp-diffusers export --run "$run" --out "$out"
+.venv/bin/sp-diffusers export --run "$run" --out "$out" --force   # a rerun replaces its own export
 ext=png; [[ $family == wan* ]] && ext=mp4
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers sample --ulysses 2 \
   --pipeline "$out" --prompt "a red teapot" --prompt "a blue sailboat" --steps 6 --height 16 --width 16 \

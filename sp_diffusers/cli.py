@@ -8,7 +8,10 @@ and ``demo`` run under a launcher: ``torchrun --nproc_per_node 2 -m sp_diffusers
 console script, ``torchrun --nproc_per_node 2 --no-python sp-diffusers train ...``.
 
 A mistake in the command or the config prints one block, once (rank 0), and exits with status 2; the
-other ranks stay quiet (``SP_DIFFUSERS_TRACEBACK=1`` re-raises it with its traceback).
+other ranks stay quiet (``SP_DIFFUSERS_TRACEBACK=1`` re-raises it with its traceback). A failure during a run that
+every rank learns together and whose message names the fix (a reward that raises or returns a wrong shape or a
+non-finite score, on whichever rank) prints the same way and exits with status 1 on every rank; checkpoint and data
+errors are usage errors (status 2) wherever they happen.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ DESCRIPTION = (
     "--no-python sp-diffusers train ...')."
 )
 USAGE_ERROR = 2
+RUN_FAILED = 1  # the command was right; the run failed in a way its message explains (a reward)
 
 
 def _rank() -> int:
+    """This process's rank: the process group's where one is joined (also without a launcher's ``RANK``)."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
@@ -82,7 +90,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    if args.check:
+    if args.check:  # the folders and files it names too, as training reads them first (no weights loaded)
+        from .flowgrpo.preflight import check_config
+
+        for line in check_config(config):
+            print(line)
         print(f"config OK: {args.config or '(defaults)'} -> {config.train.out_dir}")
         return 0
     plan.check_launch(int(os.environ.get("WORLD_SIZE", "1")))
@@ -118,20 +130,46 @@ def _export(args: argparse.Namespace) -> int:
     """``sp-diffusers export --run RUN_DIR --out DIR``: the run's weights in diffusers' formats (one process)."""
     from .flowgrpo.export import export_run
 
-    result = export_run(args.run, args.out, step=args.step, dtype=args.dtype)
+    result = export_run(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force, link=args.link)
+    for note in result.notes:
+        print(note)
     for name, folder in result.transformers.items():
         print(f"{name}: {folder} (save_pretrained{', LoRA merged' if result.loras else ''})")
     for name, file in result.loras.items():
         print(f"{name} LoRA: {file} (load_lora_weights / load_lora_adapter)")
     if result.pipeline is not None:
         print(f"pipeline: {result.pipeline} (DiffusionPipeline.from_pretrained)")
-    print(f"from checkpoint {result.step} of {args.run}")
+        how = ", ".join(f"{n} file{'s' * (n != 1)} {_FILE_WAYS[k]}" for k, n in sorted(result.files.items()))
+        print(f"the source pipeline's other files: {how or 'none'}")
+        if result.files.get("link"):
+            print(
+                "  hard links share their inode with the source pipeline's files; both are read-only now, so a write "
+                "into the export fails instead of changing the source (root ignores that: do not write into it as root)"
+            )
+    print(f"from checkpoint {result.step} of {args.run}" + ("; the previous export there was replaced" if result.replaced else ""))
     return 0
+
+
+_FILE_WAYS = {
+    "clone": "cloned copy-on-write (no shared inode)",
+    "copy": "copied (no shared inode)",
+    "link": "hard-linked (--link: one inode with the source, read-only)",
+}
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, help="a training run's out_dir (config.json + checkpoints/)")
-    p.add_argument("--out", required=True, help="the folder to write (created)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the folder to write: new, empty, or an earlier export with --force (written beside it, renamed into place)",
+    )
+    p.add_argument("--force", action="store_true", help="replace the export already at --out (whole; never other folders)")
+    p.add_argument(
+        "--link",
+        action="store_true",
+        help="hard-link the source pipeline's files instead of copying them (no space; made read-only, source included)",
+    )
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     p.add_argument(
         "--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="weights' dtype on disk (default fp32)"
@@ -236,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit (no training)"
     )
-    p_train.add_argument("--check", action="store_true", help="validate the config and exit (no training)")
+    p_train.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config and the folders and files it names (model.kind against model.pipeline, the "
+        "components the run needs, rewards, prompt files) and exit; no weights are loaded",
+    )
     p_train.add_argument(
         "overrides",
         nargs="*",
@@ -289,6 +332,13 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, MeshError, CheckpointError, UnsupportedDiffusersError, FileNotFoundError, ValueError)
 
 
+def _run_failures() -> tuple[type[BaseException], ...]:
+    """Failures during a run that every rank raises alike, with the fix in the message: one block too."""
+    from .flowgrpo.reward_scoring import RewardError
+
+    return (RewardError,)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -300,16 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except _usage_errors() as err:
+    except _usage_errors() + _run_failures() as err:
         if os.environ.get("SP_DIFFUSERS_TRACEBACK"):
             raise
-        if _rank() == 0:
+        if _rank() == 0:  # every rank holds the same error: one block
             print(
                 f"sp-diffusers {args.command}: error: {err}\n(SP_DIFFUSERS_TRACEBACK=1 shows where it came from)",
                 file=sys.stderr,
                 flush=True,
             )
-        return USAGE_ERROR
+        return RUN_FAILED if isinstance(err, _run_failures()) else USAGE_ERROR
 
 
 if __name__ == "__main__":

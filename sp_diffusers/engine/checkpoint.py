@@ -106,8 +106,10 @@ def save_checkpoint(
         remove_stale_tmp(root)
         tmp.mkdir(parents=True)
 
+    # what every failed save ends with: the previous checkpoint is intact and resuming starts from it
+    fix = f"make {root} a writable folder with free space, then run again: it resumes from the newest checkpoint"
     agree(
-        _failure(prepare) if rank == 0 else None, f"preparing checkpoint folder {tmp}", engine.control_group
+        _failure(prepare) if rank == 0 else None, f"preparing checkpoint folder {tmp}", engine.control_group, fix
     )
 
     def write() -> None:
@@ -118,7 +120,7 @@ def save_checkpoint(
             torch.save({**trainer, "extra": extra or {}}, tmp / "trainer.pt")
 
     try:
-        agree(_failure(write), f"writing checkpoint {tmp}", engine.control_group)
+        agree(_failure(write), f"writing checkpoint {tmp}", engine.control_group, fix)
     except CheckpointError:
         if rank == 0:  # a full disk must not keep the partial folder too
             shutil.rmtree(tmp, ignore_errors=True)
@@ -132,7 +134,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         write_latest(root, final.name)
 
-    agree(_failure(publish) if rank == 0 else None, f"publishing checkpoint {final}", engine.control_group)
+    agree(_failure(publish) if rank == 0 else None, f"publishing checkpoint {final}", engine.control_group, fix)
     return final
 
 

@@ -160,12 +160,13 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group)
 
 
-def agree(error: str | None, what: str, group: dist.ProcessGroup | None = None) -> None:
+def agree(error: str | None, what: str, group: dist.ProcessGroup | None = None, fix: str = "") -> None:
     """Every rank learns whether any rank failed at ``what`` and raises the same ``CheckpointError`` (a rank
     that fails alone would otherwise leave its peers waiting in the next barrier).
 
     ``group``: the world's ranks, ideally on a gloo group (the engine's ``control_group``): the exchange is
-    then a CPU one; on NCCL torch stages the pickled errors through the current CUDA device.
+    then a CPU one; on NCCL torch stages the pickled errors through the current CUDA device. ``fix``: what the
+    message ends with.
     """
     errors = [error]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -174,4 +175,5 @@ def agree(error: str | None, what: str, group: dist.ProcessGroup | None = None) 
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}")
+        tail = f"; fix: {fix}" if fix else ""
+        raise CheckpointError(f"{what} failed on rank {rank} (of {len(failed)} failing): {message}{tail}")

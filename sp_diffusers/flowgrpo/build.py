@@ -38,16 +38,14 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     engine shards it first and then each rank reads only its own shards from the folder, in the training dtype
     (:func:`engine_settings` points ``weights`` there): no rank ever holds the whole model, in any dtype."""
     from ..tiny import tiny_model
+    from .folder_checks import missing_folder
     from .pipeline_io import meta_transformers, transformer_folder
 
     c = config.model
     folder = transformer_folder(config)
     if folder is not None:
         if not folder.exists():
-            key = "model.pipeline" if c.pipeline else "model.pretrained"
-            raise FileNotFoundError(
-                f"{key}={str(folder)!r} does not exist: point {key} at a save_pretrained folder"
-            )
+            raise missing_folder("model.pipeline" if c.pipeline else "model.pretrained", folder)
         return meta_transformers(config, ("transformer",))["transformer"]
     return tiny_model(c.kind, seed=c.seed, **c.overrides)
 

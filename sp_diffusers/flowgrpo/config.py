@@ -25,12 +25,17 @@ class ConfigError(ValueError):
     """A config key or value that cannot be used; the message names it and the fix."""
 
 
+TINY_KIND = "qwenimage"  # model.kind left out, and no folder to take it from: the tiny model of this family
+
+
 @dataclass
 class ModelConfig:
-    kind: str = "qwenimage"  # model family (sp_diffusers.tiny): the tiny model, or the class for `pretrained`
-    pretrained: str = ""  # a transformer folder written by save_pretrained (model.kind names its class)
+    # model family (sp_diffusers.model_kinds): "" (left out) takes it from model.pipeline's or model.pretrained's
+    # folder, else TINY_KIND; given, it must agree with the folder (folder_checks.py)
+    kind: str = ""
+    pretrained: str = ""  # a transformer folder written by save_pretrained (its config.json names its class)
     # a diffusers pipeline folder (save_pretrained / a model repository): its transformer(s), text encoder(s),
-    # scheduler and VAE; sets model.kind from the pipeline class (pipeline_io.py)
+    # scheduler and VAE; its pipeline class gives model.kind (pipeline_io.py)
     pipeline: str = ""
     # a two-expert Wan2.2 pipeline: which to train, of transformer (high noise) and transformer_2 (low noise); []: all
     experts: list = field(default_factory=list)
@@ -260,8 +265,19 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 def validate(config: TrainConfig) -> None:
     """Values that type-check but cannot train (each error names the key, the value and the rule)."""
+    from ..model_kinds import KINDS
+
     g, o, t = config.flowgrpo, config.optim, config.train
     finite = math.isfinite
+    m = config.model
+    _require(
+        m.kind in KINDS or m.kind == "",
+        "model.kind",
+        m.kind,
+        f"one of {', '.join(KINDS)}, or leave it out to take it from model.pipeline / model.pretrained",
+    )
+    if not (m.kind or m.pipeline or m.pretrained):
+        m.kind = TINY_KIND  # no folder to take the family from: the tiny default (a folder's is read at start)
     _require(t.iterations >= 1, "train.iterations", t.iterations, "train at least 1 iteration")
     _require(
         t.save_every >= 0, "train.save_every", t.save_every, "0 (only at the end) or a positive interval"

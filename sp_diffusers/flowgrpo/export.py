@@ -8,9 +8,13 @@ From the newest checkpoint of a run (or ``step``), written on any layout (DCP re
   and the adapter's config as metadata, so alpha survives), which the pipeline's ``load_lora_weights`` and the
   transformer's ``load_lora_adapter`` read; a Wan2.2 ``transformer_2``'s is ``pytorch_lora_weights_transformer_2
   .safetensors`` (``load_lora_weights(DIR, weight_name=..., load_into_transformer_2=True)``);
-- with ``model.pipeline``: the rest of that pipeline folder beside them (hard links where the file system allows,
-  else copies; an expert that was not trained as it was), so ``DiffusionPipeline.from_pretrained(DIR)`` loads the
-  trained pipeline.
+- with ``model.pipeline``: the rest of that pipeline folder beside them (copy-on-write clones where the file system
+  offers them, else copies; hard links only with ``link``, made read-only; an expert that was not trained as it
+  was), so ``DiffusionPipeline.from_pretrained(DIR)`` loads the trained pipeline;
+- ``DIR/sp_diffusers_export.json``: which run and step it came from (what marks the folder as an export).
+
+The folder is written beside ``DIR`` and renamed into place at the end (``export_folder.py``): an export at ``DIR``
+is replaced only with ``force``, and only whole; a folder that is not an export is never written into.
 
 Only the model part of the checkpoint is read (no optimizer state), into a model built as the run built it.
 """
@@ -18,8 +22,7 @@ Only the model part of the checkpoint is read (no optimizer state), into a model
 from __future__ import annotations
 
 import json
-import os
-import shutil
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +36,7 @@ from ..engine.checkpoint_files import (
     read_meta,
 )
 from .config import ConfigError, TrainConfig, load_config
+from .export_folder import MARKER, copy_file, copy_tree, prepare_target, publish, staging_folder
 
 __all__ = ["Exported", "export_run", "lora_state_dict", "merged_state_dict"]
 
@@ -50,7 +54,11 @@ class Exported:
     transformers: dict[str, Path] = field(default_factory=dict)  # name -> save_pretrained folder
     loras: dict[str, Path] = field(default_factory=dict)  # name -> LoRA safetensors
     pipeline: Path | None = None  # the whole pipeline folder (model.pipeline runs)
+    pipeline_class: str = ""  # its class (model_index.json)
     step: str = ""
+    files: Counter = field(default_factory=Counter)  # the source pipeline's files by how: clone, copy, link
+    replaced: bool = False  # an export was at the target and was replaced (--force)
+    notes: list[str] = field(default_factory=list)  # what was cleaned up or restored before writing
 
 
 def run_config(run_dir: str | Path) -> TrainConfig:
@@ -151,27 +159,49 @@ def _save_transformer(trained: torch.nn.Module, merged: dict[str, torch.Tensor],
     fresh.save_pretrained(folder)
 
 
-def _link_or_copy(src: str, dst: str) -> None:
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    dtype: str = "fp32",
+    force: bool = False,
+    link: bool = False,
+) -> Exported:
+    """Write the run's trained weights to ``out_dir`` in diffusers' formats (module docstring): staged beside it and
+    renamed into place; an export already there is replaced only with ``force``; ``link`` hard-links the source
+    pipeline's files (read-only) instead of cloning or copying them."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(_DTYPES)}")
+    run_dir, out = Path(run_dir), Path(out_dir).absolute()
+    config = run_config(run_dir)
+    replace, notes = prepare_target(out, force)  # before anything is loaded: a refusal costs nothing
+    stage = staging_folder(out)
     try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+        result = _write(config, run_dir, stage, step, dtype, link)
+        marker = {"run": str(run_dir.absolute()), "step": result.step, "pipeline": result.pipeline_class}
+        (stage / MARKER).write_text(json.dumps({**marker, "files": "link" if link else "copy"}, indent=2))
+        publish(stage, out, replace)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(stage, ignore_errors=True)  # the previous export (if any) is untouched
+        raise
+    result.transformers = {n: out / p.name for n, p in result.transformers.items()}
+    result.loras = {n: out / p.name for n, p in result.loras.items()}
+    result.pipeline = out if result.pipeline is not None else None
+    result.replaced, result.notes = replace, notes
+    return result
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None, dtype: str = "fp32") -> Exported:
-    """Write the run's trained weights to ``out_dir`` in diffusers' formats (module docstring)."""
+def _write(config: TrainConfig, run_dir: Path, out: Path, step: int | None, dtype: str, link: bool) -> Exported:
+    """Everything of the export into the (staging) folder ``out``."""
     import diffusers
 
     from .pipeline_io import expert_names, read_index
 
-    if dtype not in _DTYPES:
-        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(_DTYPES)}")
-    run_dir, out = Path(run_dir), Path(out_dir)
-    config = run_config(run_dir)
     names = expert_names(config)
     trained = list(config.model.experts) or list(names)
     roots = {n: run_dir / "checkpoints" / n for n in trained} if len(names) > 1 else {names[0]: run_dir / "checkpoints"}
-    out.mkdir(parents=True, exist_ok=True)
     result = Exported()
     steps = {n: _step_dir(root, step) for n, root in roots.items()}
     result.step = next(iter(steps.values())).name
@@ -197,17 +227,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
         del model
     if config.model.pipeline:
         source = Path(config.model.pipeline)
-        index = read_index(source)
+        result.pipeline_class = read_index(source).get("_class_name", "")
         for entry in sorted(source.iterdir()):
-            if entry.name in result.transformers or entry.name.startswith("."):
+            if entry.name in result.transformers or entry.name.startswith(".") or entry.name == MARKER:
                 continue
-            target = out / entry.name
             if entry.is_dir():
-                shutil.copytree(entry, target, copy_function=_link_or_copy, dirs_exist_ok=True)
-            elif not target.exists():
-                _link_or_copy(str(entry), str(target))
+                result.files += copy_tree(entry, out / entry.name, link)
+            elif not (out / entry.name).exists():  # a LoRA file just written keeps its place
+                result.files[copy_file(entry, out / entry.name, link)] += 1
         result.pipeline = out
-        (out / "sp_diffusers_export.json").write_text(
-            json.dumps({"run": str(run_dir), "step": result.step, "pipeline": index.get("_class_name")}, indent=2)
-        )
     return result

@@ -10,13 +10,13 @@ grids); and, for Wan2.2, ``boundary_ratio`` from the pipeline's config.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .config import ConfigError, TrainConfig
+from .folder_checks import PIPELINE_FAMILIES, check_model_folder, present, read_index
 
 __all__ = [
     "EXPERT_NAMES",
@@ -33,53 +33,14 @@ __all__ = [
     "transformer_folder",
 ]
 
-# pipeline class -> model.kind (the families with a trainer adapter)
-PIPELINE_FAMILIES = {
-    "QwenImagePipeline": "qwenimage",
-    "FluxPipeline": "flux",
-    "StableDiffusion3Pipeline": "sd3",
-    "WanPipeline": "wan",
-}
 EXPERT_NAMES = ("transformer", "transformer_2")  # WanPipeline: high-noise, low-noise
 
-
-def read_index(path: str | Path, key: str = "model.pipeline") -> dict[str, Any]:
-    """``model_index.json`` of a pipeline folder; errors name ``key`` and the fix."""
-    index = Path(path) / "model_index.json"
-    if not index.is_file():
-        raise ConfigError(
-            f"{key}={str(path)!r} has no model_index.json; fix: a diffusers pipeline folder (written by "
-            "save_pretrained, or a downloaded model repository such as Qwen/Qwen-Image)"
-        )
-    return json.loads(index.read_text())
-
-
-def _present(index: dict[str, Any], name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
-
-
-def resolve_pipeline(config: TrainConfig) -> str | None:
-    """With ``model.pipeline``: check the folder and set ``model.kind`` to its family; the family, else None."""
-    c = config.model
-    if not c.pipeline:
-        return None
-    if c.pretrained:
-        raise ConfigError(
-            f"model.pipeline={c.pipeline!r} and model.pretrained={c.pretrained!r} both name the weights; fix: keep "
-            "one (a pipeline folder gives its transformer, text encoders, scheduler and VAE)"
-        )
-    index = read_index(c.pipeline)
-    name = index.get("_class_name")
-    if name not in PIPELINE_FAMILIES:
-        raise ConfigError(
-            f"model.pipeline={c.pipeline!r} is a {name}; the trainer reads {', '.join(PIPELINE_FAMILIES)}; fix: one "
-            "of those, or model.pretrained=<its transformer folder> with model.kind"
-        )
-    if not _present(index, "transformer"):
-        raise ConfigError(f"model.pipeline={c.pipeline!r} has no transformer (model_index.json: transformer is null)")
-    c.kind = PIPELINE_FAMILIES[name]
-    return c.kind
+def resolve_pipeline(config: TrainConfig) -> str:
+    """Settle ``model.kind``: from ``model.pipeline`` or ``model.pretrained`` (which must agree with a given one),
+    else the tiny default; with ``model.pipeline``, also check that the folder holds every component this run loads
+    (``folder_checks.check_model_folder``: JSON only, no weights). Returns the family."""
+    check_model_folder(config)
+    return config.model.kind
 
 
 def expert_names(config: TrainConfig) -> tuple[str, ...]:
@@ -87,7 +48,7 @@ def expert_names(config: TrainConfig) -> tuple[str, ...]:
     if not config.model.pipeline:
         return ("transformer",)
     index = read_index(config.model.pipeline)
-    return tuple(n for n in EXPERT_NAMES if _present(index, n))
+    return tuple(n for n in EXPERT_NAMES if present(index, n))
 
 
 def boundary_ratio(config: TrainConfig) -> float | None:
@@ -154,7 +115,7 @@ def load_vae(config: TrainConfig) -> torch.nn.Module | None:
     if not config.model.pipeline:
         return None
     index = read_index(config.model.pipeline)
-    if not _present(index, "vae"):
+    if not present(index, "vae"):
         return None
     import diffusers
 

@@ -31,7 +31,7 @@ import torch
 from .config import ConfigError
 from .rewards import ColorLatentReward, MeanLatentReward, VideoColorReward
 
-__all__ = ["BUILTIN_REWARDS", "INPUTS", "RewardSpec", "load_callable", "reward_specs"]
+__all__ = ["BUILTIN_REWARDS", "INPUTS", "RewardSpec", "entry_input", "entry_name", "load_callable", "reward_specs"]
 
 INPUTS = ("pixels", "latents")
 _KEYS = ("fn", "weight", "input", "kwargs", "name")
@@ -134,6 +134,24 @@ def load_callable(ref: str, key: str = "flowgrpo.rewards[0].fn") -> Callable[...
     return fn
 
 
+def entry_input(entry: Any) -> str | None:
+    """What a ``flowgrpo.rewards`` entry reads, without importing it: its ``input``, else ``latents`` for a built-in
+    and ``pixels`` for a function of yours (None: not an entry; ``reward_specs`` says why)."""
+    if isinstance(entry, str):
+        entry = {"fn": entry}
+    if not isinstance(entry, dict):
+        return None
+    return entry.get("input", "latents" if entry.get("fn") in BUILTIN_REWARDS else "pixels")
+
+
+def entry_name(entry: Any) -> str:
+    """How a ``flowgrpo.rewards`` entry is named before it is imported: its ``name``, else the callable's name in
+    its ``fn`` (what ``__name__`` usually is)."""
+    if isinstance(entry, dict):
+        return str(entry.get("name") or str(entry.get("fn")).rpartition(":")[2])
+    return str(entry).rpartition(":")[2]
+
+
 def _entry(i: int, entry: Any) -> RewardSpec:
     prefix = f"flowgrpo.rewards[{i}]"
     if isinstance(entry, str):
@@ -151,7 +169,7 @@ def _entry(i: int, entry: Any) -> RewardSpec:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
         raise ConfigError(f"{prefix}.weight={weight!r} must be a finite number (the total is the weighted sum)")
     builtin = ref in BUILTIN_REWARDS
-    kind = entry.get("input", "latents" if builtin else "pixels")
+    kind = entry_input(entry)
     if kind not in INPUTS:
         raise ConfigError(f"{prefix}.input={kind!r}: choose 'pixels' (decoded by the pipeline's VAE) or 'latents'")
     if builtin and kind != "latents":

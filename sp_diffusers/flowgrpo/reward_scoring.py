@@ -6,7 +6,8 @@ and only when some reward reads pixels), then one all-gather in the SP group giv
 
 A reward that raises, returns the wrong shape or a non-finite value on any rank: after scoring, every rank of the
 world learns it (one small all-gather of a flag; the messages only on failure) and raises the same ``RewardError``
-naming the reward's function, the rank and what went wrong, so no rank waits in the next collective.
+naming the reward's function, the rank, what went wrong and the fix, so no rank waits in the next collective (and
+``sp-diffusers train`` prints it once, as it prints a configuration error).
 """
 
 from __future__ import annotations
@@ -33,17 +34,36 @@ def _where(err: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
+_SHAPE_FIX = "return one float per sample it is given (a [b] tensor, array or list)"
+_FINITE_FIX = "return finite scores (guard its divisions and logs, or clamp what it returns)"
+
+
+def _raised_fix(err: BaseException, where: str) -> str:
+    """The fix for a reward that raised: the function at ``where``; a missing key may be a field the data lacks."""
+    fix = f"the function{where} (called as fn(pixels or latents, prompts, metadata, **kwargs))"
+    if isinstance(err, KeyError):
+        fix += (
+            "; a key your prompt rows lack? metadata is each data.train / data.eval row's fields other than the "
+            "prompt (a .jsonl line's; {} for a .txt file)"
+        )
+    return fix
+
+
 def _as_scores(out: Any, count: int, spec: RewardSpec) -> tuple[torch.Tensor | None, str | None]:
-    """``out`` as a float64 CPU ``[count]`` tensor, or why it is not one."""
+    """``out`` as a float64 CPU ``[count]`` tensor, or why it is not one (with the fix)."""
     try:
         t = torch.as_tensor(out.detach() if torch.is_tensor(out) else out).to("cpu", torch.float64)
     except Exception as err:
-        return None, f"returned {type(out).__name__}, not one float per sample ({type(err).__name__}: {err})"
+        return None, (
+            f"returned {type(out).__name__}, not one float per sample ({type(err).__name__}: {err}); fix: {_SHAPE_FIX}"
+        )
     if t.shape != (count,):
-        return None, f"returned shape {tuple(t.shape)}; it must return one float per sample: shape [{count}]"
+        return None, f"returned shape {tuple(t.shape)}; it must return one float per sample: shape [{count}]; fix: {_SHAPE_FIX}"
     bad = (~torch.isfinite(t)).nonzero().flatten().tolist()
     if bad:
-        return None, f"returned non-finite values ({t[bad].tolist()}) for sample(s) {bad} of this rank's {count}"
+        return None, (
+            f"returned non-finite values ({t[bad].tolist()}) for sample(s) {bad} of this rank's {count}; fix: {_FINITE_FIX}"
+        )
     return t, None
 
 
@@ -113,7 +133,11 @@ class RewardSet:
                 with torch.no_grad():
                     pixels = self.decode(latents)
             except Exception as err:
-                return out, f"decoding the latents with the pipeline's VAE raised {type(err).__name__}: {err}{_where(err)}"
+                return out, (
+                    f"decoding the latents with the pipeline's VAE raised {type(err).__name__}: {err}{_where(err)}; fix: "
+                    "a VAE of the model's family (model.pipeline's own); out of memory: a smaller "
+                    "flowgrpo.micro_batch_size (the batch it decodes at once)"
+                )
         view = self.reward_view(latents) if any(s.input == "latents" for s in self.specs) else None
         for j, spec in enumerate(self.specs):
             data = pixels if spec.input == "pixels" else view
@@ -121,7 +145,8 @@ class RewardSet:
                 with torch.no_grad():
                     result = spec.fn(data, list(prompts), list(metadata), **spec.kwargs)
             except Exception as err:
-                return out, f"reward {spec.label} raised {type(err).__name__}: {err}{_where(err)}"
+                where = _where(err)
+                return out, f"reward {spec.label} raised {type(err).__name__}: {err}{where}; fix: {_raised_fix(err, where)}"
             scores, problem = _as_scores(result, count, spec)
             if problem:
                 return out, f"reward {spec.label} {problem}"
@@ -144,7 +169,8 @@ class RewardSet:
         dist.all_gather_object(messages, problem)
         first = failed[0]
         more = f" (failing ranks: {failed})" if len(failed) > 1 else ""
-        raise RewardError(f"flowgrpo.rewards: on rank {first}{more}, {messages[first]}; every rank stops")
+        what, _, fix = str(messages[first]).partition("; fix: ")
+        raise RewardError(f"flowgrpo.rewards: on rank {first}{more}, {what}; every rank stops; fix: {fix}")
 
     def __call__(
         self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None

@@ -1,0 +1,151 @@
+"""Failures during a run print as configuration errors do (issue 33): one block on rank 0 with the message and the
+fix, no traceback (``SP_DIFFUSERS_TRACEBACK=1`` shows it), every rank stopping with the same status.
+
+Two gloo ranks (SP 2) train the tiny default model with a reward of the test's own that fails in one way per case:
+it raises on rank 1 only, returns a wrong shape, returns NaN, or reads a field the prompt rows lack (the data); a
+checkpoint that cannot be written ends the last case. Each rank runs the CLI's ``main`` with its stderr captured
+(``tests/workers/run_failures.py``); one case runs under torchrun as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ._dist import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+REWARDS = """
+import torch
+import torch.distributed as dist
+
+
+def rank1_fails(x, prompts, metadata):
+    if dist.get_rank() == 1:
+        raise ValueError("no model on this rank")
+    return torch.zeros(x.shape[0])
+
+
+def wide(x, prompts, metadata):
+    return torch.zeros(x.shape[0], 2)
+
+
+def nan(x, prompts, metadata):
+    return torch.full((x.shape[0],), float("nan"))
+
+
+def strict_color(x, prompts, metadata):
+    return torch.tensor([float(len(row["color"])) for row in metadata])
+
+
+def fine(x, prompts, metadata):
+    return x.float().flatten(1).mean(dim=1)
+"""
+
+
+def _argv(root: Path, name: str, fn: str, *extra: str) -> list[str]:
+    sets = {
+        "model.overrides": "{num_layers: 1}",
+        "flowgrpo.num_steps": 2,
+        "flowgrpo.window_size": 1,
+        "flowgrpo.window_range": "[0, 1]",
+        "flowgrpo.group_size": 2,
+        "flowgrpo.prompts_per_rank": 1,
+        "flowgrpo.micro_batch_size": 2,
+        "flowgrpo.rewards": f"[{{fn: {root / 'rewards.py'}:{fn}, input: latents}}]",
+        "train.progress": "false",
+        "train.plot": "false",
+    }
+    argv = ["train", "--out-dir", str(root / name), "--iterations", "1"]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={value}"]
+    return argv + list(extra)
+
+
+@pytest.fixture(scope="module")
+def failures(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run-failures")
+    (root / "rewards.py").write_text(REWARDS)
+    (root / "prompts.txt").write_text("a red cat\na blue dog\n")  # a .txt file: rows without fields
+    (root / "checkpoint").mkdir()
+    (root / "checkpoint" / "checkpoints").write_text("a file where the checkpoints folder goes")
+    cases = [
+        ("rank1_raises", _argv(root, "rank1_raises", "rank1_fails"), {}),
+        ("wrong_shape", _argv(root, "wrong_shape", "wide"), {}),
+        ("nan", _argv(root, "nan", "nan"), {}),
+        ("data_field", _argv(root, "data_field", "strict_color", "--set", f"data.train={root / 'prompts.txt'}"), {}),
+        ("checkpoint", _argv(root, "checkpoint", "fine"), {}),
+        ("traceback", _argv(root, "traceback", "rank1_fails"), {"SP_DIFFUSERS_TRACEBACK": "1"}),
+    ]
+    return root, run_distributed("tests.workers.run_failures:train_failures", 2, cases, timeout=900)
+
+
+def _block(stderr: str) -> str:
+    """The one error block: its first line (the message), after checking that it is the only one, untraced."""
+    lines = stderr.splitlines()
+    errors = [i for i, x in enumerate(lines) if x.startswith("sp-diffusers train: error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert lines[errors[0] + 1] == "(SP_DIFFUSERS_TRACEBACK=1 shows where it came from)"
+    return lines[errors[0]]
+
+
+@pytest.mark.parametrize(
+    "case, status, words",
+    [
+        ("rank1_raises", 1, ["flowgrpo.rewards: on rank 1, reward 'rank1_fails'", "raised ValueError: no model on this "
+                             "rank at ", "rewards.py:8; every rank stops; fix: the function at "]),
+        ("wrong_shape", 1, ["on rank 0 (failing ranks: [0, 1]), reward 'wide'", "returned shape (1, 2); it must return "
+                            "one float per sample: shape [1]", "fix: return one float per sample it is given"]),
+        ("nan", 1, ["reward 'nan'", "returned non-finite values ([nan])", "fix: return finite scores"]),
+        ("data_field", 1, ["reward 'strict_color'", "raised KeyError: 'color'", "fix: the function at ", "a key your "
+                           "prompt rows lack? metadata is each data.train / data.eval row's fields other than the "
+                           "prompt (a .jsonl line's; {} for a .txt file)"]),
+        ("checkpoint", 2, ["preparing checkpoint folder ", "failed on rank 0",
+                           "fix: make ", "a writable folder with free space, then run again: it resumes from the "
+                           "newest checkpoint"]),
+    ],
+)  # fmt: skip
+def test_a_run_failure_is_one_block_on_rank_0_and_every_rank_stops(failures, case, status, words):
+    _, results = failures
+    rank0, rank1 = results[0][case], results[1][case]
+    assert rank0[0] == rank1[0] == status  # every rank stops, with one status
+    line = _block(rank0[1])
+    for word in words:
+        assert word in line, (word, line)
+    assert "error:" not in rank1[1] and "Traceback" not in rank1[1], rank1[1][-3000:]  # rank 1 stays quiet
+
+
+def test_nothing_written_before_the_failure_is_lost(failures):
+    root, _ = failures
+    lines = (root / "checkpoint" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == [1]  # the iteration trained before the save failed
+    assert not (root / "rank1_raises" / "checkpoints").exists()  # no checkpoint of a run whose reward failed
+
+
+def test_the_traceback_is_behind_the_switch(failures):
+    _, results = failures
+    for rank in (0, 1):
+        status, stderr = results[rank]["traceback"]
+        assert status == "raised RewardError"
+        assert "Traceback (most recent call last)" in stderr and "sp_diffusers/flowgrpo/reward_scoring.py" in stderr
+
+
+def test_under_torchrun_a_reward_failing_on_one_rank_is_one_message(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli"]
+    cmd += _argv(tmp_path, "run", "rank1_fails")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = [x for x in (proc.stdout + proc.stderr).splitlines() if "sp-diffusers train: error:" in x]
+    assert len(errors) == 1 and "on rank 1, reward 'rank1_fails'" in errors[0], proc.stderr[-3000:]
+    # no rank printed a traceback of ours (torchrun's own report of the exit status is the launcher's)
+    assert "sp_diffusers/" not in proc.stderr, proc.stderr[-3000:]
+    assert "exitcode  : 1" in proc.stderr  # rank 0 exited with the run-failure status, not a crash
