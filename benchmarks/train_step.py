@@ -65,8 +65,8 @@ def _make(args, backend: str):
 
 
 def _data(trainer, samples: int):
-    from sp_diffusers.flowgrpo.rollout import Trajectory
-    from sp_diffusers.flowgrpo.text import DEFAULT_PROMPTS
+    from sp_diffusers.flowgrpo.models.text import DEFAULT_PROMPTS
+    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory
 
     g = torch.Generator().manual_seed(0)
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(samples)]

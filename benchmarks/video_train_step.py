@@ -85,7 +85,7 @@ def _trainer(args, sp: int, backend: str):
 
 
 def _data(trainer) -> tuple:
-    from sp_diffusers.flowgrpo.rollout import Trajectory, evaluate_window_step
+    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory, evaluate_window_step
 
     g = torch.Generator().manual_seed(0)
     prompts = ["a red lighthouse at dusk"]

@@ -128,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     """``sp-diffusers export --run RUN_DIR --out DIR``: the run's weights in diffusers' formats (one process)."""
-    from .flowgrpo.export import export_run
+    from .flowgrpo.io.export import export_run
 
     result = export_run(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force, link=args.link)
     for note in result.notes:
@@ -179,7 +179,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 def _sample(args: argparse.Namespace) -> int:
     """``sp-diffusers sample --pipeline DIR --prompt ... --out x.png|x.mp4 [--ulysses 2]``."""
-    from .flowgrpo.sample import render
+    from .flowgrpo.io.sample import render
 
     path = render(
         args.pipeline,
@@ -334,7 +334,7 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 
 def _run_failures() -> tuple[type[BaseException], ...]:
     """Failures during a run that every rank raises alike, with the fix in the message: one block too."""
-    from .flowgrpo.reward_scoring import RewardError
+    from .flowgrpo.rewards.scoring import RewardError
 
     return (RewardError,)
 

@@ -71,7 +71,7 @@ def _uninstall_in_use():
 
 
 def _second_run(tmp_path):
-    from sp_diffusers.flowgrpo.run_lock import lock_run_dir
+    from sp_diffusers.flowgrpo.io.run_lock import lock_run_dir
 
     held = lock_run_dir(tmp_path / "run", rank=0)  # the first run, still going
     try:
@@ -307,7 +307,7 @@ CASES = [
     ),
     (
         "reward_prompt_without_colour",
-        lambda mp, tp: __import__("sp_diffusers.flowgrpo.rewards", fromlist=["x"]).ColorLatentReward(4)(
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.rewards.builtin", fromlist=["x"]).ColorLatentReward(4)(
             torch.zeros(1, 2, 4), ["a cat"]
         ),
         ValueError,
@@ -315,7 +315,7 @@ CASES = [
     ),
     (
         "sde_noise_level_zero",
-        lambda mp, tp: __import__("sp_diffusers.flowgrpo.sde", fromlist=["x"]).sde_step_with_logprob(
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.sampling.sde", fromlist=["x"]).sde_step_with_logprob(
             torch.zeros(1, 2), torch.zeros(1, 2), 1.0, 0.5, 0.0, sigma_one_substitute=0.9
         ),
         ValueError,
@@ -323,13 +323,13 @@ CASES = [
     ),
     (
         "flow_sigmas_too_few_steps",
-        lambda mp, tp: __import__("sp_diffusers.flowgrpo.schedule", fromlist=["x"]).flow_sigmas(1),
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.sampling.schedule", fromlist=["x"]).flow_sigmas(1),
         ValueError,
         ["num_steps", "1"],
     ),
     (
         "adapter_for_unsupported_model",
-        lambda mp, tp: __import__("sp_diffusers.flowgrpo.models", fromlist=["x"]).build_adapter(
+        lambda mp, tp: __import__("sp_diffusers.flowgrpo.models.adapters", fromlist=["x"]).build_adapter(
             __import__("sp_diffusers.tiny", fromlist=["x"]).tiny_model("cogvideox"), 8
         ),
         ValueError,

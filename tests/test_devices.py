@@ -50,8 +50,8 @@ def test_devices_helpers():
 def test_step_rule_with_per_sample_steps_reads_nothing_back():
     """A ``[B]`` step index (DanceGRPO, every update): the sigmas are gathered where the index lives; python
     sigmas (int steps) are filled on the sample's device (``torch.full``), not copied from the host."""
-    from sp_diffusers.flowgrpo.pipeline_schedule import linspace_schedule
-    from sp_diffusers.flowgrpo.sde import StepRule, ode_step
+    from sp_diffusers.flowgrpo.sampling.pipeline_schedule import linspace_schedule
+    from sp_diffusers.flowgrpo.sampling.sde import StepRule, ode_step
 
     schedule = linspace_schedule(6, 3.0)
     x, v = torch.randn(3, 8, 4), torch.randn(3, 8, 4)

@@ -120,8 +120,8 @@ def test_a_folder_that_is_not_an_export_is_refused_even_with_force(capsys, runs,
 
 KILLER = """
 import os, signal, sys
-import sp_diffusers.flowgrpo.export as export
-import sp_diffusers.flowgrpo.export_folder as folder
+import sp_diffusers.flowgrpo.io.export as export
+import sp_diffusers.flowgrpo.io.export_folder as folder
 
 copy, count = folder.copy_file, [0]
 

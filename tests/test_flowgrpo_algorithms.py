@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from sp_diffusers.flowgrpo import flowgrpo_loss, group_advantages, sde_step_with_logprob
-from sp_diffusers.flowgrpo.pipeline_schedule import (
+from sp_diffusers.flowgrpo.algorithms.selection import kept_samples
+from sp_diffusers.flowgrpo.sampling.pipeline_schedule import (
     SCHEDULER_DEFAULTS,
     linspace_schedule,
     load_scheduler_config,
     pipeline_schedule,
 )
-from sp_diffusers.flowgrpo.sde import StepRule, cps_step_with_logprob, dance_step_with_logprob
-from sp_diffusers.flowgrpo.selection import kept_samples
+from sp_diffusers.flowgrpo.sampling.sde import StepRule, cps_step_with_logprob, dance_step_with_logprob
 
 F64 = 1e-10
 
@@ -299,7 +299,7 @@ def test_kept_samples_same_count_on_every_dp_rank():
 
 
 def test_wan_adapter_text_does_not_depend_on_padding():
-    from sp_diffusers.flowgrpo.models import WanAdapter
+    from sp_diffusers.flowgrpo.models.adapters import WanAdapter
 
     adapter = WanAdapter(frames=2, height=4, width=4, channels=4, patch=(1, 2, 2), text_len=6)
     assert adapter.tokens == 8 and adapter.latent_shape(3) == (3, 4, 2, 4, 4)
@@ -318,7 +318,7 @@ def test_wan_adapter_text_does_not_depend_on_padding():
 def test_umt5_encoder_is_what_wan_pipeline_computes(tmp_path):
     from diffusers import WanPipeline
 
-    from sp_diffusers.flowgrpo.text import PipelineTextEncoder, UMT5TextEncoder
+    from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder, UMT5TextEncoder
     from sp_diffusers.tiny import save_tiny_wan_pipeline
 
     folder = save_tiny_wan_pipeline(tmp_path / "wan", num_layers=1)
@@ -339,7 +339,7 @@ def test_umt5_encoder_is_what_wan_pipeline_computes(tmp_path):
 
 
 def test_video_reward_separates_the_cases():
-    from sp_diffusers.flowgrpo.rewards import VideoColorReward
+    from sp_diffusers.flowgrpo.rewards.builtin import VideoColorReward
 
     reward = VideoColorReward(4)
     g = torch.Generator().manual_seed(0)
@@ -418,7 +418,7 @@ def test_dance_grpo_rollout_and_timestep_selection(tmp_path):
 def test_bad_wan_and_text_keys_are_named():
     from sp_diffusers.flowgrpo.build import build_text_encoder
     from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
-    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
     from sp_diffusers.tiny import tiny_model
 
     wan = tiny_model("wan", num_layers=1)
@@ -436,7 +436,7 @@ def test_prompts_past_the_encoders_limit_are_warned_about():
     """Two prompts that differ only past the limit get one embedding: the encoder says so (once per prompt)."""
     import warnings
 
-    from sp_diffusers.flowgrpo.text import ByteTextEncoder, UMT5TextEncoder
+    from sp_diffusers.flowgrpo.models.text import ByteTextEncoder, UMT5TextEncoder
 
     byte = ByteTextEncoder(max_length=8)
     long_a, long_b = "a red cat on a mat", "a red cat on a hat"

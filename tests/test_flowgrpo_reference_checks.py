@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
+from sp_diffusers.flowgrpo.algorithms.loss import flowgrpo_loss
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
-from sp_diffusers.flowgrpo.loss import flowgrpo_loss
-from sp_diffusers.flowgrpo.pipeline_schedule import linspace_schedule
-from sp_diffusers.flowgrpo.sde import StepRule
+from sp_diffusers.flowgrpo.sampling.pipeline_schedule import linspace_schedule
+from sp_diffusers.flowgrpo.sampling.sde import StepRule
 from sp_diffusers.flowgrpo.update import kl_std
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig, validate
-from sp_diffusers.flowgrpo.metrics import RunLog
+from sp_diffusers.flowgrpo.io.metrics import RunLog
 
 
 def _records(path: str) -> list:

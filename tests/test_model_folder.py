@@ -126,7 +126,7 @@ def test_components_the_run_needs_must_be_in_the_folder(capsys, monkeypatch, tmp
 
 def test_kind_left_out_is_taken_from_the_folder_and_a_transformer_folder_counts_too(capsys, tmp_path, folders):
     from sp_diffusers.flowgrpo.config import TrainConfig, load_config
-    from sp_diffusers.flowgrpo.pipeline_io import resolve_pipeline
+    from sp_diffusers.flowgrpo.models.pipeline_io import resolve_pipeline
 
     c = load_config(None, [f"model.pipeline={folders['wan']}"])
     assert c.model.kind == "" and resolve_pipeline(c) == "wan"  # left out: the folder's

@@ -45,8 +45,8 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
     from diffusers import DiffusionPipeline
 
     from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
-    from sp_diffusers.flowgrpo.models import build_adapter
-    from sp_diffusers.flowgrpo.pipeline_io import load_transformers, resolve_pipeline
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
     from sp_diffusers.padding import pad_text_batch
 
     pipe = DiffusionPipeline.from_pretrained(folders[family])
@@ -87,7 +87,7 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
 def test_text_encoders_match_encode_prompt(folders):
     from diffusers import FluxPipeline, QwenImagePipeline
 
-    from sp_diffusers.flowgrpo.text import PipelineTextEncoder
+    from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder
 
     q = PipelineTextEncoder(str(folders["qwenimage"]), 256)
     got = q.encode_batch(PROMPTS)
@@ -113,7 +113,7 @@ def test_text_encoders_match_encode_prompt(folders):
 
 
 def test_folder_checks(folders, tmp_path):
-    from sp_diffusers.flowgrpo.pipeline_io import boundary_ratio, expert_names, resolve_pipeline
+    from sp_diffusers.flowgrpo.models.pipeline_io import boundary_ratio, expert_names, resolve_pipeline
 
     c = TrainConfig()
     c.model.pipeline = str(tmp_path)
@@ -169,14 +169,14 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
 
     from sp_diffusers.engine import FSDPEngine
     from sp_diffusers.flowgrpo.build import run_schedule
-    from sp_diffusers.flowgrpo.experts import (
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.experts import (
         ExpertEngines,
         build_engines,
         check_expert_steps,
         share_step_choices,
     )
-    from sp_diffusers.flowgrpo.models import build_adapter
-    from sp_diffusers.flowgrpo.pipeline_io import resolve_pipeline
+    from sp_diffusers.flowgrpo.models.pipeline_io import resolve_pipeline
 
     pipe = WanPipeline.from_pretrained(folders["wan2.2"])
     pipe.set_progress_bar_config(disable=True)

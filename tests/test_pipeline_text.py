@@ -23,7 +23,7 @@ def pipeline_dir(tmp_path_factory):
 def test_encoder_gives_what_the_pipeline_gives_its_transformer(pipeline_dir):
     from diffusers import StableDiffusion3Pipeline
 
-    from sp_diffusers.flowgrpo.text import PipelineTextEncoder
+    from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder
 
     prompts = ["a red cat", "a blue teapot on a table"]
     encoder = PipelineTextEncoder(str(pipeline_dir), max_sequence_length=16)
@@ -42,7 +42,7 @@ def test_encoder_gives_what_the_pipeline_gives_its_transformer(pipeline_dir):
 
 
 def test_sd3_adapter_uses_the_encoders_pooled_projection(pipeline_dir):
-    from sp_diffusers.flowgrpo.models import SD3Adapter
+    from sp_diffusers.flowgrpo.models.adapters import SD3Adapter
 
     adapter = SD3Adapter(8, 8, 4, 2)
     embeds, mask = torch.randn(2, 5, 32), torch.ones(2, 5, dtype=torch.bool)
@@ -84,7 +84,7 @@ def test_cli_trains_sd3_with_the_pipeline_encoders(pipeline_dir, tmp_path):
 
 
 def test_pipeline_errors_name_the_key(tmp_path, pipeline_dir):
-    from sp_diffusers.flowgrpo.text import PipelineTextEncoder
+    from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder
 
     with pytest.raises(FileNotFoundError, match=r"text\.pipeline=.*no model_index\.json"):
         PipelineTextEncoder(str(tmp_path))

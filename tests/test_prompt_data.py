@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig, validate
-from sp_diffusers.flowgrpo.data import PromptRow, PromptStream, read_prompts
+from sp_diffusers.flowgrpo.io.data import PromptRow, PromptStream, read_prompts
 
 
 def test_txt_and_jsonl_rows(tmp_path):
@@ -80,8 +80,8 @@ def test_media_png_grid_and_gif_without_a_video_writer(tmp_path, monkeypatch):
     from PIL import Image
 
     from sp_diffusers.flowgrpo import media
-    from sp_diffusers.flowgrpo.evaluate import latent_preview
-    from sp_diffusers.flowgrpo.models import QwenImageAdapter, WanAdapter
+    from sp_diffusers.flowgrpo.io.evaluate import latent_preview
+    from sp_diffusers.flowgrpo.models.adapters import QwenImageAdapter, WanAdapter
 
     images = torch.rand(3, 3, 8, 10)
     png = media.save_pixels(images, tmp_path / "grid")
@@ -106,7 +106,7 @@ def test_example_configs_load_and_name_loadable_rewards(name, monkeypatch):
     from pathlib import Path
 
     from sp_diffusers.flowgrpo.config import load_config
-    from sp_diffusers.flowgrpo.reward_loading import reward_specs
+    from sp_diffusers.flowgrpo.rewards.loading import reward_specs
 
     root = Path(__file__).resolve().parent.parent
     monkeypatch.chdir(root)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sp_diffusers.flowgrpo.config import ConfigError
-from sp_diffusers.flowgrpo.reward_loading import load_callable, reward_specs
-from sp_diffusers.flowgrpo.reward_scoring import RewardError, RewardSet
+from sp_diffusers.flowgrpo.rewards.loading import load_callable, reward_specs
+from sp_diffusers.flowgrpo.rewards.scoring import RewardError, RewardSet
 
 from ._dist import run_distributed
 
@@ -20,7 +20,7 @@ EXAMPLE = "examples/rewards/simple_rewards.py"
 
 def test_load_callable_by_module_file_and_builtin(monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert load_callable("sp_diffusers.flowgrpo.clip_reward:clip_score").__name__ == "clip_score"
+    assert load_callable("sp_diffusers.flowgrpo.rewards.clip:clip_score").__name__ == "clip_score"
     by_file = load_callable(f"{EXAMPLE}:brightness")
     assert by_file.__name__ == "brightness"
     assert load_callable(f"{ROOT / EXAMPLE}:brightness") is by_file  # one module per file
@@ -30,7 +30,7 @@ def test_load_callable_by_module_file_and_builtin(monkeypatch):
         ("no/such/file.py:f", r"no file no/such/file\.py"),
         (f"{EXAMPLE}:nope", r"has no 'nope'; its callables: brightness, color_match"),
         ("no_such_module_xyz:f", r"cannot import module 'no_such_module_xyz'"),
-        ("sp_diffusers.flowgrpo.clip_reward:_MEAN", r"is a tuple, not a callable"),
+        ("sp_diffusers.flowgrpo.rewards.clip:_MEAN", r"is a tuple, not a callable"),
     ]
     for ref, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -112,7 +112,7 @@ def pipelines(tmp_path_factory):
 
 
 def _adapter(family: str, model):
-    from sp_diffusers.flowgrpo.models import build_adapter
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
 
     return build_adapter(model, 8, pooled_from_encoder=True, frames=2, text_len=16)
 
@@ -122,7 +122,7 @@ def test_pixels_decode_as_the_pipeline_decodes(pipelines, family):
     """The pipeline's own __call__ twice from one seed: its latents through PixelDecoder equal its decoded output."""
     from diffusers import DiffusionPipeline
 
-    from sp_diffusers.flowgrpo.decode import PixelDecoder
+    from sp_diffusers.flowgrpo.models.decode import PixelDecoder
 
     pipe = DiffusionPipeline.from_pretrained(pipelines[family])
     pipe.set_progress_bar_config(disable=True)
@@ -147,7 +147,7 @@ def test_pixels_decode_as_the_pipeline_decodes(pipelines, family):
 def test_clip_reward_on_a_tiny_random_clip(tmp_path):
     from transformers import AutoTokenizer, CLIPModel
 
-    from sp_diffusers.flowgrpo.clip_reward import clip_score
+    from sp_diffusers.flowgrpo.rewards.clip import clip_score
     from sp_diffusers.tiny import save_tiny_clip
 
     folder = save_tiny_clip(tmp_path / "clip")
@@ -191,3 +191,14 @@ def test_scoring_is_split_over_the_sp_group_and_failures_reach_every_rank(tmp_pa
         assert "on rank 1, reward 'rank1_fails'" in r["error"] and "raised ValueError: no model on this rank" in r["error"]
     # 5 samples over 2 SP ranks: rank 0 scores 3, rank 1 scores 2 (tensor_split), each once
     assert [r["calls"] for r in results] == [[3], [2]]
+
+
+def test_the_clip_reward_s_old_import_path_still_loads_it_with_a_warning():
+    """Configs written before flowgrpo/ was split into folders name sp_diffusers.flowgrpo.clip_reward."""
+    import pytest
+
+    from sp_diffusers.flowgrpo.rewards.clip import clip_score
+    from sp_diffusers.flowgrpo.rewards.loading import load_callable
+
+    with pytest.warns(UserWarning, match=r"is now sp_diffusers\.flowgrpo\.rewards\.clip; fix: name that module"):
+        assert load_callable("sp_diffusers.flowgrpo.clip_reward:clip_score") is clip_score

@@ -133,7 +133,7 @@ def test_the_traceback_is_behind_the_switch(failures):
     for rank in (0, 1):
         status, stderr = results[rank]["traceback"]
         assert status == "raised RewardError"
-        assert "Traceback (most recent call last)" in stderr and "sp_diffusers/flowgrpo/reward_scoring.py" in stderr
+        assert "Traceback (most recent call last)" in stderr and "sp_diffusers/flowgrpo/rewards/scoring.py" in stderr
 
 
 def test_under_torchrun_a_reward_failing_on_one_rank_is_one_message(tmp_path):

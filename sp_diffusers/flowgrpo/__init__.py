@@ -18,11 +18,12 @@ rollout, update, trainer and friends run it on an ``FSDPEngine``. The math expor
 
 from __future__ import annotations
 
-from .advantages import group_advantages
-from .loss import flowgrpo_loss
-from .pipeline_schedule import Schedule, linspace_schedule, pipeline_schedule
-from .schedule import flow_sigmas, qwenimage_mu, timesteps_from_sigmas
-from .sde import (
+from .algorithms.advantages import group_advantages
+from .algorithms.loss import flowgrpo_loss
+from .algorithms.selection import kept_samples
+from .sampling.pipeline_schedule import Schedule, linspace_schedule, pipeline_schedule
+from .sampling.schedule import flow_sigmas, qwenimage_mu, timesteps_from_sigmas
+from .sampling.sde import (
     SDEStep,
     StepRule,
     cps_step_with_logprob,
@@ -30,7 +31,6 @@ from .sde import (
     ode_step,
     sde_step_with_logprob,
 )
-from .selection import kept_samples
 
 __all__ = [
     "SDEStep",

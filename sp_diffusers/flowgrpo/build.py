@@ -9,9 +9,9 @@ import torch
 
 from ..engine import EngineSettings, LoraSettings, OptimSettings
 from .config import ConfigError, TrainConfig
-from .pipeline_schedule import Schedule, linspace_schedule, load_scheduler_config, pipeline_schedule
-from .sde import StepRule
-from .text import ByteTextEncoder, PipelineTextEncoder, UMT5TextEncoder
+from .models.text import ByteTextEncoder, PipelineTextEncoder, UMT5TextEncoder
+from .sampling.pipeline_schedule import Schedule, linspace_schedule, load_scheduler_config, pipeline_schedule
+from .sampling.sde import StepRule
 
 __all__ = [
     "ALGORITHMS",
@@ -38,8 +38,8 @@ def build_model(config: TrainConfig) -> torch.nn.Module:
     engine shards it first and then each rank reads only its own shards from the folder, in the training dtype
     (:func:`engine_settings` points ``weights`` there): no rank ever holds the whole model, in any dtype."""
     from ..tiny import tiny_model
-    from .folder_checks import missing_folder
-    from .pipeline_io import meta_transformers, transformer_folder
+    from .models.folder_checks import missing_folder
+    from .models.pipeline_io import meta_transformers, transformer_folder
 
     c = config.model
     folder = transformer_folder(config)
@@ -57,7 +57,7 @@ def engine_settings(
     (:func:`build_model`, a pipeline's transformer ``name``), ``weights`` = its folder (each rank loads its shards
     after sharding)."""
     from ..engine.weights import on_meta
-    from .pipeline_io import transformer_folder
+    from .models.pipeline_io import transformer_folder
 
     p, o, lora = config.parallel, config.optim, config.lora
     return EngineSettings(

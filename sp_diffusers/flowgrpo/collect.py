@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from ..devices import collective_device, fetch_scalars, to_device
 from ..ledger import comm_kind, comm_phase
-from .advantages import group_advantages
-from .experts import route
-from .guidance import WeightHolder
-from .rollout import Trajectory, evaluate_window_step, rollout
-from .selection import kept_samples
+from .algorithms.advantages import group_advantages
+from .algorithms.selection import kept_samples
+from .models.experts import route
+from .sampling.guidance import WeightHolder
+from .sampling.rollout import Trajectory, evaluate_window_step, rollout
 
 __all__ = ["collect", "gather_dp", "recompute_log_probs", "reward_phase", "rollout_phase"]
 

@@ -189,7 +189,7 @@ class TrainConfig:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
-    prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.text.DEFAULT_PROMPTS
+    prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.models.text.DEFAULT_PROMPTS
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

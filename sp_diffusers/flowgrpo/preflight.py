@@ -16,10 +16,10 @@ __all__ = ["check_config"]
 def check_config(config: TrainConfig) -> list[str]:
     """Check ``config`` against the files it names; the report, one line per finding (``ConfigError`` otherwise)."""
     from .build import check_algorithm
-    from .data import read_prompts
-    from .folder_checks import check_model_folder, read_index
-    from .pipeline_schedule import load_scheduler_config
-    from .reward_loading import reward_specs
+    from .io.data import read_prompts
+    from .models.folder_checks import check_model_folder, read_index
+    from .rewards.loading import reward_specs
+    from .sampling.pipeline_schedule import load_scheduler_config
 
     g = config.flowgrpo
     check_algorithm(config)

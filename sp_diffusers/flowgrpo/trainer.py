@@ -47,19 +47,19 @@ from .build import (
 )
 from .collect import collect, gather_dp
 from .config import TrainConfig, validate
-from .data import PromptRow, PromptStream, read_prompts
-from .decode import PixelDecoder
-from .evaluate import Evaluator
-from .experts import ExpertEngines, build_engines, check_expert_steps, share_step_choices
-from .guidance import WeightHolder, gathers_once
-from .metrics import RunLog
-from .models import build_adapter
-from .pipeline_io import load_vae, resolve_pipeline
-from .reward_scoring import RewardSet
-from .rewards import Reward
-from .rollout import Trajectory
-from .run_lock import lock_run_dir
-from .text import DEFAULT_PROMPTS
+from .io.data import PromptRow, PromptStream, read_prompts
+from .io.evaluate import Evaluator
+from .io.metrics import RunLog
+from .io.run_lock import lock_run_dir
+from .models.adapters import build_adapter
+from .models.decode import PixelDecoder
+from .models.experts import ExpertEngines, build_engines, check_expert_steps, share_step_choices
+from .models.pipeline_io import load_vae, resolve_pipeline
+from .models.text import DEFAULT_PROMPTS
+from .rewards.builtin import Reward
+from .rewards.scoring import RewardSet
+from .sampling.guidance import WeightHolder, gathers_once
+from .sampling.rollout import Trajectory
 from .update import policy_update
 
 __all__ = ["FlowGRPOTrainer"]

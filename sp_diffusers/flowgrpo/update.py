@@ -22,12 +22,12 @@ import torch
 from ..devices import fetch_scalars, to_device
 from ..engine import FSDPEngine
 from ..ledger import comm_phase
+from .algorithms.loss import flowgrpo_loss
 from .config import FlowGRPOConfig
-from .experts import route
-from .loss import flowgrpo_loss
-from .pipeline_schedule import Schedule
-from .rollout import Trajectory, evaluate_window_step
-from .sde import StepRule
+from .models.experts import route
+from .sampling.pipeline_schedule import Schedule
+from .sampling.rollout import Trajectory, evaluate_window_step
+from .sampling.sde import StepRule
 
 __all__ = ["kl_std", "policy_update", "window_step_loss"]
 

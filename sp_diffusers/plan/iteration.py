@@ -132,7 +132,7 @@ def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) ->
     """``inputs(batch, timestep) -> forward kwargs`` as the trainer makes them (``flowgrpo.models`` adapters: the
     one source of how each family is called), text of ``work.text_len`` tokens, masked where the family takes a
     mask. Families the trainer has no adapter for are refused."""
-    from ..flowgrpo.models import build_adapter
+    from ..flowgrpo.models.adapters import build_adapter
 
     f = spec.family
     t, h, w = work.grid

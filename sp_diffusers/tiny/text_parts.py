@@ -198,7 +198,7 @@ def tiny_wan_vae(seed: int, z_dim: int) -> Any:
 
 def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
     """Write a tiny random ``CLIPModel`` (32 x 32 images), its character tokenizer and a ``preprocessor_config.json``
-    to ``folder``: what ``sp_diffusers.flowgrpo.clip_reward`` reads from a downloaded CLIP."""
+    to ``folder``: what ``sp_diffusers.flowgrpo.rewards.clip`` reads from a downloaded CLIP."""
     from transformers import CLIPConfig, CLIPModel
 
     config = CLIPConfig(

@@ -83,7 +83,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _global_data(trainer) -> dict:
     """Layout-independent training data: prompts (ragged), a fixed trajectory, advantages, perturbations."""
-    from sp_diffusers.flowgrpo.text import DEFAULT_PROMPTS
+    from sp_diffusers.flowgrpo.models.text import DEFAULT_PROMPTS
 
     g = torch.Generator().manual_seed(42)
     prompts = [DEFAULT_PROMPTS[i] for i in torch.randint(len(DEFAULT_PROMPTS), (G,), generator=g).tolist()]
@@ -97,7 +97,7 @@ def _global_data(trainer) -> dict:
 
 
 def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Tensor]:
-    from sp_diffusers.flowgrpo.rollout import Trajectory, evaluate_window_step
+    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory, evaluate_window_step
 
     engine = trainer.engine
     n = G // engine.dp_size

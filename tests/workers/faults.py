@@ -135,7 +135,7 @@ def step_agreement(rank: int, world: int) -> dict:
         dist.barrier()
 
     # (4) an output folder another live run holds: every rank raises the same RunDirInUse
-    from sp_diffusers.flowgrpo.run_lock import RunDirInUse, _try_lock, lock_run_dir
+    from sp_diffusers.flowgrpo.io.run_lock import RunDirInUse, _try_lock, lock_run_dir
 
     folder = [tempfile.mkdtemp(prefix="sp-lock-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)

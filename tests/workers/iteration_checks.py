@@ -35,7 +35,7 @@ def _collect(trainer, batch, gather: bool, cfg_batch: bool) -> dict:
 
 def _branch_diffs(trainer, batch) -> dict[str, float]:
     """Each branch's raw velocity at the first step: its own forward against its half of the batched forward."""
-    from sp_diffusers.flowgrpo.guidance import paired
+    from sp_diffusers.flowgrpo.sampling.guidance import paired
 
     engine, adapter = trainer.engine, trainer.adapter
     cond = trainer._cond(batch)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 
 def split_scoring(rank: int, world: int, module: str) -> dict:
-    from sp_diffusers.flowgrpo.reward_loading import load_callable, reward_specs
-    from sp_diffusers.flowgrpo.reward_scoring import RewardError, RewardSet
+    from sp_diffusers.flowgrpo.rewards.loading import load_callable, reward_specs
+    from sp_diffusers.flowgrpo.rewards.scoring import RewardError, RewardSet
 
     engine = types.SimpleNamespace(sp_rank=rank, sp_size=world, sp_group=dist.group.WORLD, device=torch.device("cpu"))
     latents = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(0))

@@ -33,9 +33,9 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
     model's output (to show the training moved it). Saved to ``out_file`` for a process without sp_diffusers."""
     from sp_diffusers.engine import FSDPEngine
     from sp_diffusers.flowgrpo.build import engine_settings
-    from sp_diffusers.flowgrpo.export import _fresh_model, run_config
-    from sp_diffusers.flowgrpo.models import build_adapter
-    from sp_diffusers.flowgrpo.pipeline_io import expert_names
+    from sp_diffusers.flowgrpo.io.export import _fresh_model, run_config
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.pipeline_io import expert_names
 
     config = run_config(run_dir)
     config.parallel.ulysses_sequence_parallel_size = 1

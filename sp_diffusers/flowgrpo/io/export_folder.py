@@ -34,7 +34,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["MARKER", "copy_file", "copy_tree", "prepare_target", "publish", "read_marker", "staging_folder"]
 

@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..model_kinds import KINDS
-from .config import TINY_KIND, ConfigError, TrainConfig
+from ...model_kinds import KINDS
+from ..config import TINY_KIND, ConfigError, TrainConfig
 
 __all__ = [
     "PIPELINE_FAMILIES",
@@ -130,7 +130,7 @@ def _pretrained_family(config: TrainConfig) -> str:
 
 def _pixel_rewards(config: TrainConfig) -> list[str]:
     """The rewards that read decoded pixels (the same default as ``reward_loading``: built-ins read latents)."""
-    from .reward_loading import entry_input, entry_name
+    from ..rewards.loading import entry_input, entry_name
 
     return [entry_name(e) for e in config.flowgrpo.rewards if entry_input(e) == "pixels"]
 

@@ -114,7 +114,7 @@ class UMT5TextEncoder:
     def __init__(
         self, hidden_size: int = 32, num_layers: int = 2, seed: int = 1234, max_sequence_length: int = 32
     ) -> None:
-        from ..tiny.pipelines import tiny_umt5
+        from ...tiny.pipelines import tiny_umt5
 
         self.tokenizer, self.model = tiny_umt5(seed=seed, d_model=hidden_size, num_layers=num_layers)
         self.model.requires_grad_(False)

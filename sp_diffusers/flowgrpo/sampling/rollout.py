@@ -1,7 +1,7 @@
 """Rollout with a span of stochastic steps, and the per-step log-prob evaluation the trainer shares with it.
 
 Steps outside the span ``[start, start + S)`` are deterministic ODE steps; the S steps inside are SDE steps
-(:class:`~sp_diffusers.flowgrpo.sde.StepRule`) whose log-probs make the policy. FlowGRPO's span is its window
+(:class:`~sp_diffusers.flowgrpo.sampling.sde.StepRule`) whose log-probs make the policy. FlowGRPO's span is its window
 (S = W, at a random start); DanceGRPO's is every step (S = N). Stored per sample: ``latents [B, S+1, ...]`` (the
 span's inputs and outputs), ``log_probs [B, S]``, ``train_steps [B, T]`` (the schedule steps each sample trains
 on: the whole window for FlowGRPO, a random subset per sample for DanceGRPO) and ``final`` (the reward input).
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..devices import to_device
+from ...devices import to_device
 from .guidance import guided, paired
 from .pipeline_schedule import Schedule
 from .sde import SDEStep, StepRule, ode_step

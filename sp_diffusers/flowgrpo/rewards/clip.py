@@ -4,7 +4,7 @@ Use it from a config::
 
     flowgrpo:
       rewards:
-        - {fn: "sp_diffusers.flowgrpo.clip_reward:clip_score", weight: 1.0, input: pixels,
+        - {fn: "sp_diffusers.flowgrpo.rewards.clip:clip_score", weight: 1.0, input: pixels,
            kwargs: {model: /models/clip-vit-large-patch14}}
 
 The folder is what ``CLIPModel.save_pretrained`` + the tokenizer's ``save_pretrained`` write (a downloaded

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .decode import PackedTokens, unpack_2x2
-from .flux_adapter import FluxAdapter, flux_adapter
+from .flux import FluxAdapter, flux_adapter
 
 __all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
 
@@ -176,8 +176,8 @@ def build_adapter(
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
     projection input itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to
     (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
-    from ..compat import diffusers_version
-    from ..model_kinds import class_name
+    from ...compat import diffusers_version
+    from ...model_kinds import class_name
 
     name = class_name(model)
     config = model.config
@@ -224,5 +224,5 @@ def build_adapter(
         return WanAdapter(frames, h, w, config.in_channels, (pt, ph, pw), text_len)
     raise ValueError(
         f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
-        "SD3Transformer2DModel, WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models.py)"
+        "SD3Transformer2DModel, WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models/adapters.py)"
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["render"]
 
@@ -32,7 +32,7 @@ def _parallelize(pipe: Any, ulysses: int) -> None:
 
     import sp_diffusers
 
-    from ..launch import init_distributed
+    from ...launch import init_distributed
 
     init_distributed(required_by=f"sample --ulysses {ulysses}")
     world = dist.get_world_size()
@@ -70,8 +70,8 @@ def render(
     import diffusers
     import torch.distributed as dist
 
+    from ..models.pipeline_io import from_pretrained
     from .media import save_image, save_video
-    from .pipeline_io import from_pretrained
 
     out = Path(out)
     if out.suffix.lower() not in (".png", *_VIDEO_SUFFIXES):

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import math
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +29,8 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError
-from .rewards import ColorLatentReward, MeanLatentReward, VideoColorReward
+from ..config import ConfigError
+from .builtin import ColorLatentReward, MeanLatentReward, VideoColorReward
 
 __all__ = ["BUILTIN_REWARDS", "INPUTS", "RewardSpec", "entry_input", "entry_name", "load_callable", "reward_specs"]
 
@@ -94,6 +95,10 @@ def _load_file(path: Path, key: str, ref: str) -> Any:
     return module
 
 
+# modules users name in their configs that moved when flowgrpo/ was split into folders
+MOVED = {"sp_diffusers.flowgrpo.clip_reward": "sp_diffusers.flowgrpo.rewards.clip"}
+
+
 def load_callable(ref: str, key: str = "flowgrpo.rewards[0].fn") -> Callable[..., Any]:
     """``"pkg.module:callable"``, ``"path/to/file.py:callable"`` (relative to the working directory) or a built-in
     name -> the callable; ``key`` names the config key in errors."""
@@ -116,6 +121,9 @@ def load_callable(ref: str, key: str = "flowgrpo.rewards[0].fn") -> Callable[...
             )
         module = _load_file(path, key, ref)
     else:
+        if where in MOVED:  # a config written before flowgrpo/ was split into folders keeps working
+            warnings.warn(f"{key}={ref!r}: {where} is now {MOVED[where]}; fix: name that module", stacklevel=2)
+            where = MOVED[where]
         try:
             module = importlib.import_module(where)
         except ImportError as err:

@@ -28,14 +28,14 @@ from pathlib import Path
 
 import torch
 
-from ..engine.checkpoint_files import (
+from ...engine.checkpoint_files import (
     CheckpointError,
     find_latest,
     lora_fingerprint,
     model_fingerprint,
     read_meta,
 )
-from .config import ConfigError, TrainConfig, load_config
+from ..config import ConfigError, TrainConfig, load_config
 from .export_folder import MARKER, copy_file, copy_tree, prepare_target, publish, staging_folder
 
 __all__ = ["Exported", "export_run", "lora_state_dict", "merged_state_dict"]
@@ -84,9 +84,9 @@ def _step_dir(root: Path, step: int | None) -> Path:
 
 def _fresh_model(config: TrainConfig, name: str) -> torch.nn.Module:
     """The untrained transformer ``name``, real and whole (export writes whole files from one process)."""
-    from ..model_kinds import model_class
-    from ..tiny import tiny_model
-    from .pipeline_io import from_pretrained, load_transformers, param_dtype
+    from ...model_kinds import model_class
+    from ...tiny import tiny_model
+    from ..models.pipeline_io import from_pretrained, load_transformers, param_dtype
 
     if config.model.pipeline:
         return load_transformers(config, (name,))[name]
@@ -100,9 +100,9 @@ def _load_trained(config: TrainConfig, name: str, path: Path) -> torch.nn.Module
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from ..engine.model_setup import add_lora
-    from .build import engine_settings
-    from .pipeline_io import param_dtype
+    from ...engine.model_setup import add_lora
+    from ..build import engine_settings
+    from ..models.pipeline_io import param_dtype
 
     model = _fresh_model(config, name)
     if next(model.parameters()).dtype != param_dtype(config):  # as the engine held it: the dtype stored
@@ -197,7 +197,7 @@ def _write(config: TrainConfig, run_dir: Path, out: Path, step: int | None, dtyp
     """Everything of the export into the (staging) folder ``out``."""
     import diffusers
 
-    from .pipeline_io import expert_names, read_index
+    from ..models.pipeline_io import expert_names, read_index
 
     names = expert_names(config)
     trained = list(config.model.experts) or list(names)

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..engine import FSDPEngine
-from ..engine.checkpoint import find_latest
-from .config import ConfigError, TrainConfig
+from ...engine import FSDPEngine
+from ...engine.checkpoint import find_latest
+from ..config import ConfigError, TrainConfig
 
 __all__ = ["ExpertEngines", "build_engines", "check_expert_steps", "route", "share_step_choices"]
 
@@ -94,7 +94,7 @@ class ExpertEngines:
             return None
         steps = {n: (p.name if p is not None else None) for n, p in found.items()}
         if len(set(steps.values())) > 1:
-            from ..engine.checkpoint_files import CheckpointError
+            from ...engine.checkpoint_files import CheckpointError
 
             raise CheckpointError(
                 f"the experts' newest checkpoints differ ({steps}) under {root}; fix: point each expert's 'latest' "
@@ -116,7 +116,7 @@ def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: A
     """One ``factory(model, settings)`` engine (``model``, else ``build_model``), or, for a two-expert Wan2.2
     pipeline, ``ExpertEngines``: each expert built on meta and loaded shard by shard by its engine (a frozen one
     by an ``FSDPEngine(frozen=True)``, whatever ``factory`` builds the trained ones)."""
-    from .build import build_model, engine_settings
+    from ..build import build_model, engine_settings
     from .pipeline_io import boundary_ratio, expert_names, meta_transformers
 
     names = expert_names(config) if model is None else ("transformer",)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig
 from .folder_checks import PIPELINE_FAMILIES, check_model_folder, present, read_index
 
 __all__ = [
@@ -91,8 +91,8 @@ def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, 
     """``{name: transformer}`` built from each folder's config with its parameters on ``meta``: nothing is read or
     allocated here; the engine shards each one and then loads only its own rows, converted to the parameters'
     dtype shard by shard (``engine_settings`` points ``weights`` at :func:`transformer_folder`)."""
-    from ..engine.weights import meta_model
-    from ..model_kinds import model_class
+    from ...engine.weights import meta_model
+    from ...model_kinds import model_class
 
     cls = model_class(config.model.kind)
     return {n: meta_model(cls, transformer_folder(config, n)) for n in names}
@@ -100,7 +100,7 @@ def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, 
 
 def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:
     """``{name: transformer}`` of ``model.pipeline`` (``names``: default all), each in the training dtype, on CPU."""
-    from ..model_kinds import model_class
+    from ...model_kinds import model_class
 
     cls = model_class(config.model.kind)
     dtype = param_dtype(config)

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ledger import comm_kind
-from .reward_loading import RewardSpec
+from ...ledger import comm_kind
+from .loading import RewardSpec
 
 __all__ = ["RewardError", "RewardSet"]
 
@@ -89,7 +89,7 @@ class RewardSet:
         self.wants_pixels = any(s.input == "pixels" for s in self.specs)
         if self.wants_pixels and decode is None:
             names = ", ".join(s.label for s in self.specs if s.input == "pixels")
-            from .config import ConfigError
+            from ..config import ConfigError
 
             raise ConfigError(
                 f"flowgrpo.rewards: {names} read(s) pixels, but this run has no VAE to decode them; fix: "
@@ -99,7 +99,7 @@ class RewardSet:
     @classmethod
     def from_config(cls, config: Any, adapter: Any, engine: Any = None, decode: Any = None) -> RewardSet:
         """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``); pixels from ``decode`` (a ``PixelDecoder``)."""
-        from .reward_loading import reward_specs
+        from .loading import reward_specs
 
         g = config.flowgrpo
         return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine)
@@ -159,7 +159,7 @@ class RewardSet:
             if problem:
                 raise RewardError(f"flowgrpo.rewards: {problem}")
             return
-        from ..comm import gather_ints
+        from ...comm import gather_ints
 
         flags = gather_ints([int(problem is not None)], dist.group.WORLD, self._collective_device())
         failed = [rank for rank, (flag,) in enumerate(flags) if flag]

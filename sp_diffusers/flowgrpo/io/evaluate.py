@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from ..ledger import comm_phase
+from ...ledger import comm_phase
+from ..sampling.guidance import paired
+from ..sampling.rollout import velocity
+from ..sampling.sde import ode_step
 from .data import PromptRow
-from .guidance import paired
 from .media import save_pixels
-from .rollout import velocity
-from .sde import ode_step
 
 __all__ = ["Evaluator", "latent_preview", "ode_sample"]
 

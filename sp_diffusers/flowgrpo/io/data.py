@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["PromptRow", "PromptStream", "read_prompts"]
 
