@@ -15,11 +15,12 @@ import math
 import pytest
 import torch
 
+from sp_diffusers.flowgrpo.algorithms.dance_grpo import DanceGRPO
+from sp_diffusers.flowgrpo.algorithms.flow_grpo import FlowGRPO
 from sp_diffusers.flowgrpo.algorithms.loss import flowgrpo_loss
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 from sp_diffusers.flowgrpo.sampling.pipeline_schedule import linspace_schedule
 from sp_diffusers.flowgrpo.sampling.sde import StepRule
-from sp_diffusers.flowgrpo.update import kl_std
 
 
 @pytest.mark.parametrize("sde_type", ["sde", "cps", "dance"])
@@ -97,13 +98,14 @@ def test_dance_kl_scale_follows_the_chosen_reference():
     sigmas = schedule.sigmas.double()
     step = rule.step(x, v, sigmas, steps, prev_sample=x)
     ref = rule.step(x, v_ref, sigmas, steps, prev_sample=x)
-    verl, flow = _config(dance_kl="verl_omni").flowgrpo, _config(dance_kl="flow_grpo").flowgrpo
+    verl = DanceGRPO(_config(algorithm="dance_grpo", dance_kl="verl_omni"))
+    flow = DanceGRPO(_config(algorithm="dance_grpo", dance_kl="flow_grpo"))
     dt = (sigmas[steps] - sigmas[steps + 1]).double()
-    torch.testing.assert_close(kl_std(rule, verl, step.std_dev_t, schedule, steps), eta * dt.sqrt())
-    torch.testing.assert_close(kl_std(rule, flow, step.std_dev_t, schedule, steps), step.std_dev_t)
-    # the sde and cps steps keep their own std_dev_t whatever dance_kl says
-    sde = StepRule("sde", 0.7)
-    assert kl_std(sde, verl, step.std_dev_t, schedule, steps) is step.std_dev_t
+    torch.testing.assert_close(verl.kl_std(step.std_dev_t, schedule, steps), eta * dt.sqrt())
+    torch.testing.assert_close(flow.kl_std(step.std_dev_t, schedule, steps), step.std_dev_t)
+    # flow_grpo's sde and cps steps keep their own std_dev_t whatever dance_kl says
+    sde = FlowGRPO(_config(dance_kl="verl_omni"))
+    assert sde.kl_std(step.std_dev_t, schedule, steps) is step.std_dev_t
 
     def kl(cfg):
         _, m = flowgrpo_loss(
@@ -114,7 +116,7 @@ def test_dance_kl_scale_follows_the_chosen_reference():
             kl_coef=1.0,
             prev_sample_mean=step.prev_sample_mean,
             ref_prev_sample_mean=ref.prev_sample_mean,
-            std_dev_t=kl_std(rule, cfg, step.std_dev_t, schedule, steps),
+            std_dev_t=cfg.kl_std(step.std_dev_t, schedule, steps),
         )
         return m["kl"]
 
@@ -135,4 +137,4 @@ def test_dance_kl_values_are_checked():
     from sp_diffusers.flowgrpo.build import check_algorithm
 
     with pytest.raises(ConfigError, match=r"flowgrpo\.dance_kl='verl'.*verl_omni.*flow_grpo"):
-        check_algorithm(_config(dance_kl="verl"))
+        check_algorithm(_config(algorithm="dance_grpo", dance_kl="verl"))  # a dance_grpo key, checked there

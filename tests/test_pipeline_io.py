@@ -168,13 +168,13 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     from diffusers import WanPipeline
 
     from sp_diffusers.engine import FSDPEngine
+    from sp_diffusers.flowgrpo.algorithms.registry import algorithm_for
     from sp_diffusers.flowgrpo.build import run_schedule
     from sp_diffusers.flowgrpo.models.adapters import build_adapter
     from sp_diffusers.flowgrpo.models.experts import (
         ExpertEngines,
         build_engines,
         check_expert_steps,
-        share_step_choices,
     )
     from sp_diffusers.flowgrpo.models.pipeline_io import resolve_pipeline
 
@@ -198,9 +198,10 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
 
     # the window start is drawn from the iteration's seed alone (every dp rank alike), over trained steps only
     batch = {"prompts": ["x"] * 2}
-    share_step_choices(batch, engines, c, seed=5)
+    algorithm = algorithm_for(c)
+    algorithm.share_plan(batch, set(engines.trainable_steps()), torch.Generator().manual_seed(5))
     again = dict(prompts=["x"] * 2)
-    share_step_choices(again, engines, c, seed=5)
+    algorithm.share_plan(again, set(engines.trainable_steps()), torch.Generator().manual_seed(5))
     assert batch["window_start"] == again["window_start"]
 
     c.model.experts = ["transformer_2"]
@@ -214,11 +215,11 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     # DanceGRPO with two experts: one subset of the trained expert's steps for the whole batch (never the last)
     c.flowgrpo.algorithm, c.flowgrpo.timestep_fraction = "dance_grpo", 0.6
     dance = {"prompts": ["x"] * 3}
-    share_step_choices(dance, low_only, c, seed=1)
+    algorithm_for(c).share_plan(dance, set(low_only.trainable_steps()), torch.Generator().manual_seed(1))
     assert dance["train_steps_host"] == [2] and dance["train_steps"].tolist() == [[2]] * 3
     c.flowgrpo.algorithm = "flow_grpo"
     with pytest.raises(ConfigError, match=r"no trainable window .* fix: flowgrpo\.window_range=\[2, 3\]"):
-        check_expert_steps(low_only, c)
+        check_expert_steps(low_only, algorithm_for(c))
     c.model.experts = ["transformer_3"]
     with pytest.raises(ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"):
         build_engines(c, None, FSDPEngine)

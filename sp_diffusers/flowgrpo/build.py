@@ -8,26 +8,22 @@ from typing import Any
 import torch
 
 from ..engine import EngineSettings, LoraSettings, OptimSettings
+from .algorithms.registry import algorithm_class, check_algorithm_keys
 from .config import ConfigError, TrainConfig
 from .models.text import ByteTextEncoder, PipelineTextEncoder, UMT5TextEncoder
 from .sampling.pipeline_schedule import Schedule, linspace_schedule, load_scheduler_config, pipeline_schedule
-from .sampling.sde import StepRule
 
 __all__ = [
-    "ALGORITHMS",
     "build_model",
     "build_text_encoder",
     "check_algorithm",
     "check_run",
     "engine_settings",
     "run_schedule",
-    "step_rule",
 ]
 
-ALGORITHMS = ("flow_grpo", "dance_grpo")
 _SCHEDULES = ("auto", "pipeline", "linspace")
 _ENCODERS = ("", "byte", "umt5")
-DANCE_KL = ("verl_omni", "flow_grpo")
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
@@ -120,7 +116,7 @@ def run_schedule(config: TrainConfig, adapter: Any) -> Schedule:
     g = config.flowgrpo
     kind = g.schedule
     if kind == "auto":
-        kind = "linspace" if g.algorithm == "dance_grpo" else "pipeline"
+        kind = algorithm_class(config).schedule_kind
     if kind == "linspace":
         return linspace_schedule(g.num_steps, g.shift)
     folder, key = g.scheduler, "flowgrpo.scheduler"
@@ -138,63 +134,15 @@ def run_schedule(config: TrainConfig, adapter: Any) -> Schedule:
     )
 
 
-def step_rule(config: TrainConfig) -> StepRule:
-    """The stochastic step: DanceGRPO's for ``dance_grpo``, else flow_grpo's ``flowgrpo.sde_type``."""
-    g = config.flowgrpo
-    return StepRule("dance" if g.algorithm == "dance_grpo" else g.sde_type, g.noise_level)
-
-
 def check_algorithm(config: TrainConfig) -> None:
-    """The ``flowgrpo`` keys that choose the algorithm, its step and its schedule, each against its valid values."""
+    """The ``flowgrpo`` keys every algorithm reads, then the algorithm's own (``algorithms/``), each against its
+    valid values."""
     g = config.flowgrpo
-    if g.algorithm not in ALGORITHMS:
-        raise ConfigError(f"flowgrpo.algorithm={g.algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
-    if g.sde_type not in ("sde", "cps"):
-        raise ConfigError(
-            f"flowgrpo.sde_type={g.sde_type!r}: choose 'sde' (flow_grpo's default) or 'cps' (coefficients-preserving)"
-        )
-    if g.algorithm == "dance_grpo" and g.sde_type != "sde":
-        raise ConfigError(
-            f"flowgrpo.sde_type={g.sde_type!r} is a flow_grpo step; dance_grpo takes its own (DanceGRPO's SDE); fix: "
-            "remove flowgrpo.sde_type or set flowgrpo.algorithm=flow_grpo"
-        )
     if g.schedule not in _SCHEDULES:
         raise ConfigError(f"flowgrpo.schedule={g.schedule!r}: choose one of {', '.join(_SCHEDULES)}")
     if not g.noise_level > 0:
         raise ConfigError(f"flowgrpo.noise_level={g.noise_level!r} must be > 0 (the SDE noise scale)")
-    if g.algorithm == "flow_grpo" and g.sde_type == "cps" and not g.noise_level < 1:
-        raise ConfigError(
-            f"flowgrpo.noise_level={g.noise_level!r} must be < 1 with sde_type=cps (the angle a pi / 2); flow_grpo "
-            "uses 0.8"
-        )
-    if g.dance_kl not in DANCE_KL:
-        raise ConfigError(
-            f"flowgrpo.dance_kl={g.dance_kl!r}: choose 'verl_omni' (KL / (eta^2 (sigma - sigma')), the Gaussian KL of "
-            "the step) or 'flow_grpo' (KL / eta^2, no dt factor)"
-        )
-    lo, hi = g.window_range[0], g.window_range[-1]
-    if (
-        g.algorithm == "flow_grpo"
-        and g.sde_type == "cps"
-        and g.kl_coef > 0
-        and hi + g.window_size - 2 >= g.num_steps - 1
-    ):
-        # CPS's last step (sigma' = 0) has noise std 0: the KL divides by 0 (NaN on-policy, inf after)
-        raise ConfigError(
-            f"flowgrpo.sde_type=cps with flowgrpo.kl_coef={g.kl_coef} and flowgrpo.window_range={g.window_range}: a window "
-            f"starting at {hi - 1} reaches the last step (sigma' = 0), where CPS is deterministic (noise std 0) and the "
-            f"KL term divides by 0; fix: flowgrpo.window_range=[{lo}, {g.num_steps - g.window_size}] (the window ends "
-            "before the last step), or flowgrpo.kl_coef=0"
-        )
-    if g.algorithm == "dance_grpo" and not (0 < g.timestep_fraction <= 1):
-        raise ConfigError(
-            f"flowgrpo.timestep_fraction={g.timestep_fraction!r} must be in (0, 1]; DanceGRPO's scripts use 0.6"
-        )
-    if g.algorithm == "dance_grpo" and int((g.num_steps - 1) * g.timestep_fraction) < 1:
-        raise ConfigError(
-            f"flowgrpo.timestep_fraction={g.timestep_fraction} x (num_steps - 1 = {g.num_steps - 1}) trains no step; "
-            "fix: raise flowgrpo.timestep_fraction or flowgrpo.num_steps"
-        )
+    check_algorithm_keys(config)
 
 
 def check_run(
@@ -218,12 +166,6 @@ def check_run(
         raise ValueError(
             f"model.image_size={c.model.image_size} gives {adapter.tokens} image tokens, fewer than the SP degree "
             f"{sp_size}; fix: a larger image_size, or a lower parallel.ulysses_sequence_parallel_size"
-        )
-    lo, hi = g.window_range
-    if g.algorithm == "flow_grpo" and not (0 <= lo < hi <= g.num_steps - g.window_size + 1):
-        raise ValueError(
-            f"flowgrpo.window_range={g.window_range} must satisfy 0 <= lo < hi <= num_steps - window_size + 1 "
-            f"= {g.num_steps - g.window_size + 1}"
         )
     if g.kl_coef > 0 and not c.lora.enabled:
         raise ValueError(

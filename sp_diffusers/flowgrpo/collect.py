@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from ..devices import collective_device, fetch_scalars, to_device
 from ..ledger import comm_kind, comm_phase
-from .algorithms.advantages import group_advantages
 from .algorithms.selection import kept_samples
 from .models.experts import route
 from .sampling.guidance import WeightHolder
@@ -38,8 +37,7 @@ def collect(t: Any, batch: dict[str, Any]) -> tuple[Trajectory, torch.Tensor, to
 
 def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajectory:
     """The rollout of a prepared batch (SDE span, ODE elsewhere), each step's engine through ``hold``."""
-    g = t.config.flowgrpo
-    dance = g.algorithm == "dance_grpo"
+    g, algorithm = t.config.flowgrpo, t.algorithm
     with comm_phase("rollout"):
         traj = rollout(
             t.engine,
@@ -47,12 +45,11 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajecto
             t._cond(batch),
             batch["latents"],
             t.schedule,
-            batch["window_start"],
-            t.schedule.num_steps if dance else g.window_size,
+            *algorithm.span(batch, t.schedule.num_steps),
             t.rule,
             torch.Generator().manual_seed(batch["sde_seed"]),
             g.cfg_scale,
-            final_is_prediction=dance,
+            final_is_prediction=algorithm.final_is_prediction,
             cfg_batch=t.config.rollout.cfg_batch,
             hold=hold,
         )
@@ -88,7 +85,6 @@ def recompute_log_probs(t: Any, batch: dict[str, Any], traj: Trajectory, hold: W
 def reward_phase(t: Any, batch: dict[str, Any], traj: Trajectory) -> tuple[torch.Tensor, dict[str, float]]:
     """The rollout scored, group-relative advantages ``[B]`` of this rank's samples, and the reward statistics."""
     g = t.config.flowgrpo
-    dance = g.algorithm == "dance_grpo"
     rewards, per_reward = t.score(traj.final, batch)
     # rewards, advantages and their statistics stay on the device (read once, below)
     device = traj.latents.device
@@ -96,15 +92,7 @@ def reward_phase(t: Any, batch: dict[str, Any], traj: Trajectory) -> tuple[torch
     # the total and each reward in one gather: [B, 1 + R]
     table = gather_dp(t.engine, to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))
     all_rewards = table[:, 0].contiguous()
-    # flow_grpo: batch std (population) + 1e-4; DanceGRPO: each group's unbiased std + 1e-8
-    advantages_all = group_advantages(
-        all_rewards,
-        all_groups,
-        std="group" if dance else "batch",
-        eps=1e-8 if dance else 1e-4,
-        clip=g.adv_clip_max,
-        correction=1 if dance else 0,
-    )
+    advantages_all = t.algorithm.advantages(all_rewards, all_groups)
     b = rewards.shape[0]
     advantages = advantages_all[t.engine.dp_rank * b : (t.engine.dp_rank + 1) * b]
     if g.drop_zero_advantage:

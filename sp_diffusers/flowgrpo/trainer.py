@@ -1,25 +1,23 @@
-"""The FlowGRPO loop on top of ``FSDPEngine``: rollout -> reward -> old log-probs -> advantages -> update.
+"""The RL loop on top of ``FSDPEngine``: batch -> rollout -> old log-probs -> reward -> advantages -> update.
 
-``flowgrpo.algorithm`` picks the reference: ``flow_grpo`` (an SDE window of W steps at a random start, the rest
-ODE, every window step trained; advantages over the batch std, population, + 1e-4) or ``dance_grpo`` (every step
-SDE with DanceGRPO's step, each sample trains on its own random ``int((N - 1) * timestep_fraction)`` of steps
-0..N-2, the last never; advantages over each group's unbiased std + 1e-8; the reward reads the last step's
-predicted data). With ``flowgrpo.drop_zero_advantage`` only samples with a non-zero advantage are trained
-(``selection.py``: the same count on every dp rank).
+The loop knows phases, not algorithms: ``flowgrpo.algorithm`` picks an ``Algorithm`` (``algorithms/``: flow_grpo,
+dance_grpo, ...), and the loop asks it what to draw for a batch (its window, its trained steps), which rollout
+steps are stochastic, how rewards become advantages and what one trained step's loss is. With
+``flowgrpo.drop_zero_advantage`` only samples with a non-zero advantage are trained (``algorithms/selection.py``:
+the same count on every dp rank).
 
 Data parallel ranks draw different prompts; the ranks of one SP group draw the same ones (every random
 choice is seeded by (seed, iteration, dp rank), never by the global rank) and the engine broadcasts the
-batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (and TensorBoard when
-installed), ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a
-restarted run resumes from the newest one.
+batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (TensorBoard, W&B: ``train.loggers``),
+``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a restarted run resumes from
+the newest one.
 
 Each iteration's rollout, old log-probs, rewards and advantages: ``collect.py`` (a rollout holds its weights gathered
-and runs classifier-free guidance as one forward: ``guidance.py``); every collective of an iteration is counted by
-phase and kind (``sp_diffusers.ledger``) into its metrics (``comm/<phase>/<kind>_calls`` and ``_bytes``).
-
-Building the parts from the config: ``build.py`` (a pipeline folder: ``pipeline_io.py``; Wan2.2's experts:
-``experts.py``); prompts: ``data.py``; rewards: ``reward_scoring.py``; the policy update: ``update.py``; eval and
-sample grids: ``evaluate.py``; metrics: ``metrics.py``.
+and runs classifier-free guidance as one forward: ``sampling/guidance.py``); the policy update: ``update.py``;
+every collective of an iteration is counted by phase and kind (``sp_diffusers.ledger``) into its metrics
+(``comm/<phase>/<kind>_calls`` and ``_bytes``). Building the parts from the config: ``build.py`` (a pipeline
+folder: ``models/pipeline_io.py``; Wan2.2's experts: ``models/experts.py``); prompts: ``io/data.py``; rewards:
+``rewards/scoring.py``; eval and sample grids: ``io/evaluate.py``; metrics: ``io/metrics.py``.
 """
 
 from __future__ import annotations
@@ -38,12 +36,13 @@ from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
 from ..launch import init_distributed
 from ..ledger import CommLedger, as_metrics
+from .algorithms.base import StepContext
+from .algorithms.registry import algorithm_for
 from .build import (
     build_text_encoder,
     check_algorithm,
     check_run,
     run_schedule,
-    step_rule,
 )
 from .collect import collect, gather_dp
 from .config import TrainConfig, validate
@@ -53,7 +52,7 @@ from .io.metrics import RunLog
 from .io.run_lock import lock_run_dir
 from .models.adapters import build_adapter
 from .models.decode import PixelDecoder
-from .models.experts import ExpertEngines, build_engines, check_expert_steps, share_step_choices
+from .models.experts import ExpertEngines, build_engines, check_expert_steps
 from .models.pipeline_io import load_vae, resolve_pipeline
 from .models.text import DEFAULT_PROMPTS
 from .rewards.builtin import Reward
@@ -90,6 +89,7 @@ class FlowGRPOTrainer:
         init_distributed()
         self.config = c = config
         check_algorithm(c)
+        self.algorithm = algorithm_for(c)  # the one place the loop meets the algorithm's name (algorithms/)
         # the model folder (JSON only: model.kind against its class, the components this run loads) and the prompt
         # files first, in train --check's order: a mistake in either fails before any model is built
         resolve_pipeline(c)
@@ -123,8 +123,8 @@ class FlowGRPOTrainer:
         self.sigmas = self.schedule.sigmas
         if isinstance(self.engine, ExpertEngines):
             self.engine.bind_schedule(self.schedule.timesteps)
-            check_expert_steps(self.engine, c)
-        self.rule = step_rule(c)
+            check_expert_steps(self.engine, self.algorithm)
+        self.rule = self.algorithm.step_rule()
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
         # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
         self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
@@ -169,23 +169,15 @@ class FlowGRPOTrainer:
                 ]
             ),
             "latents": torch.randn(self.adapter.latent_shape(len(prompts)), generator=gen),
-            "window_start": int(torch.randint(g.window_range[0], g.window_range[1], (1,), generator=gen)),
-            "sde_seed": int(torch.randint(2**62, (1,), generator=gen)),
-            "shuffle_seed": int(torch.randint(2**62, (1,), generator=gen)),
         }
-        if g.algorithm == "dance_grpo":
-            # DanceGRPO: each sample its own random subset (without replacement) of steps 0..N-2
-            n, t = g.num_steps - 1, int((g.num_steps - 1) * g.timestep_fraction)
-            batch["window_start"] = 0
-            batch["train_steps"] = torch.stack(
-                [torch.randperm(n, generator=gen)[:t] for _ in range(len(prompts))]
-            )
+        self.algorithm.plan(batch, gen)  # its window, its trained steps (algorithms/)
+        batch["sde_seed"] = int(torch.randint(2**62, (1,), generator=gen))
+        batch["shuffle_seed"] = int(torch.randint(2**62, (1,), generator=gen))
         if g.cfg_scale > 1.0:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         if isinstance(self.engine, ExpertEngines):  # every rank trains the same expert at a time
-            share_step_choices(
-                batch, self.engine, self.config, _seed(self.config.train.seed, iteration, 0x2E)
-            )
+            gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, 0x2E))
+            self.algorithm.share_plan(batch, set(self.engine.trainable_steps()), gen)
         return batch
 
     def data_position(self, iteration: int) -> int:
@@ -248,17 +240,14 @@ class FlowGRPOTrainer:
         ``collect`` chose some (the zero-advantage filter), else on every sample."""
         metrics = policy_update(
             self.engine,
-            self.adapter,
-            self.schedule,
-            self.rule,
-            self.config.flowgrpo,
+            self.algorithm,
+            StepContext(self.adapter, self.schedule, self.rule, self.config),
             traj,
             advantages,
             old_log_probs,
             lambda idx: self._cond(batch, idx),
             batch["shuffle_seed"],
             batch.get("kept_indices"),
-            self.config.rollout.cfg_batch,
             self._update_holds(),
         )
         if metrics["trained_samples"] == 0:  # every advantage 0 on every rank: no step anywhere

@@ -9,9 +9,9 @@ lookup: no sync), the rest (layout, batches, groups) is the first trained engine
 ``optimizer_step`` / checkpoints cover every trained one (``<checkpoints>/transformer``, ``.../transformer_2``).
 
 FSDP shards each expert over every rank, so every rank must run the same expert at the same moment. The rollout's
-steps are the same everywhere; for training, the window start (flow_grpo) and the trained steps (dance_grpo: one
-subset for the whole batch, not one per sample) are drawn from the iteration alone, the same on every data-parallel
-rank (``share_step_choices``), and only steps of trained experts are drawn.
+steps are the same everywhere; for training, the algorithm draws its trained steps from the iteration alone, the
+same on every data-parallel rank, and only steps of trained experts (``Algorithm.share_plan``: flow_grpo's window
+start, dance_grpo's one subset for the whole batch).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ...engine import FSDPEngine
 from ...engine.checkpoint import find_latest
 from ..config import ConfigError, TrainConfig
 
-__all__ = ["ExpertEngines", "build_engines", "check_expert_steps", "route", "share_step_choices"]
+__all__ = ["ExpertEngines", "build_engines", "check_expert_steps", "route"]
 
 
 class ExpertEngines:
@@ -142,37 +142,7 @@ def build_engines(config: TrainConfig, model: torch.nn.Module | None, factory: A
     return ExpertEngines(experts, ratio * 1000.0)
 
 
-def share_step_choices(batch: dict[str, Any], engine: ExpertEngines, config: TrainConfig, seed: int) -> None:
-    """Redraw the window start / DanceGRPO's trained steps from ``seed`` (the iteration's, not the dp rank's), among
-    the trained experts' steps, so that every rank trains the same expert at the same time."""
-    g = config.flowgrpo
-    gen = torch.Generator().manual_seed(seed)
-    allowed = set(engine.trainable_steps())
-    if g.algorithm == "dance_grpo":
-        candidates = torch.tensor([s for s in range(g.num_steps - 1) if s in allowed])
-        count = min(len(candidates), int((g.num_steps - 1) * g.timestep_fraction))
-        steps = candidates[torch.randperm(len(candidates), generator=gen)[:count]]
-        batch["train_steps"] = steps.expand(len(batch["prompts"]), -1).clone()
-        batch["train_steps_host"] = steps.tolist()
-        return
-    starts = [s for s in range(*g.window_range) if all(s + k in allowed for k in range(g.window_size))]
-    batch["window_start"] = starts[int(torch.randint(len(starts), (1,), generator=gen))]
-
-
-def check_expert_steps(engine: ExpertEngines, config: TrainConfig) -> None:
-    """Refuse a window range (or DanceGRPO steps) with nothing of a trained expert in it."""
-    g = config.flowgrpo
-    allowed = set(engine.trainable_steps())
-    owners = {i: n for i, n in enumerate(engine.route)}
-    if g.algorithm == "dance_grpo":
-        ok = any(s in allowed for s in range(g.num_steps - 1))
-    else:
-        ok = any(all(s + k in allowed for k in range(g.window_size)) for s in range(*g.window_range))
-    if not ok:
-        starts = [s for s in range(g.num_steps - g.window_size + 1) if all(s + k in allowed for k in range(g.window_size))]
-        hint = f"flowgrpo.window_range=[{starts[0]}, {starts[-1] + 1}]" if starts else "a smaller flowgrpo.window_size"
-        raise ConfigError(
-            f"model.experts={list(engine.trained)}: no trainable window in flowgrpo.window_range={g.window_range} "
-            f"(window {g.window_size}); the schedule's steps run on {owners}; fix: {hint} (the trained expert's "
-            "steps), or train both experts"
-        )
+def check_expert_steps(engine: ExpertEngines, algorithm: Any) -> None:
+    """Refuse a run whose algorithm never trains a step of a trained expert (``Algorithm.check_trainable``)."""
+    owners = dict(enumerate(engine.route))
+    algorithm.check_trainable(set(engine.trainable_steps()), owners, list(engine.trained))

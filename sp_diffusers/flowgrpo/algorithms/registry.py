@@ -1,0 +1,32 @@
+"""``flowgrpo.algorithm`` -> its :class:`~.base.Algorithm`: adding an algorithm is one module and one line here."""
+
+from __future__ import annotations
+
+from ..config import ConfigError, TrainConfig
+from .base import Algorithm
+from .dance_grpo import DanceGRPO
+from .flow_grpo import FlowGRPO
+
+__all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
+
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO)}
+
+
+def algorithm_class(config: TrainConfig) -> type[Algorithm]:
+    """``flowgrpo.algorithm``'s class (its keys not checked: a schedule needs only its ``schedule_kind``)."""
+    name = config.flowgrpo.algorithm
+    if name not in ALGORITHMS:
+        raise ConfigError(f"flowgrpo.algorithm={name!r}: choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def check_algorithm_keys(config: TrainConfig) -> None:
+    """The algorithm's name and its own keys (``Algorithm.check``)."""
+    algorithm_class(config).check(config)
+
+
+def algorithm_for(config: TrainConfig) -> Algorithm:
+    """The run's algorithm, its keys checked."""
+    cls = algorithm_class(config)
+    cls.check(config)
+    return cls(config)
