@@ -148,10 +148,19 @@ def _needs(config: TrainConfig, index: dict[str, Any]) -> dict[str, str]:
         names = [n for n in index if n.startswith(("text_encoder", "tokenizer")) and present(index, n)]
         for name in sorted(set(names) | {"text_encoder", "tokenizer"}):
             needs[name] = "encodes the prompts"
-    schedule = g.schedule if g.schedule != "auto" else ("linspace" if g.algorithm == "dance_grpo" else "pipeline")
+    schedule = g.schedule if g.schedule != "auto" else _schedule_kind(config)
     if schedule == "pipeline" and not g.scheduler:
         needs["scheduler"] = "the rollout schedule"
     return needs
+
+
+def _schedule_kind(config: TrainConfig) -> str:
+    """``flowgrpo.schedule: auto``'s choice: the algorithm's; ``pipeline`` for a name that is not one (its own
+    error comes from the algorithm's check)."""
+    from ..algorithms.registry import ALGORITHMS
+
+    cls = ALGORITHMS.get(config.flowgrpo.algorithm)
+    return cls.schedule_kind if cls is not None else "pipeline"
 
 
 def _check_components(config: TrainConfig, index: dict[str, Any]) -> list[str]:
