@@ -79,7 +79,7 @@ def test_eval_and_sample_keys_are_checked():
 def test_media_png_grid_and_gif_without_a_video_writer(tmp_path, monkeypatch):
     from PIL import Image
 
-    from sp_diffusers.flowgrpo import media
+    from sp_diffusers.flowgrpo.io import media
     from sp_diffusers.flowgrpo.io.evaluate import latent_preview
     from sp_diffusers.flowgrpo.models.adapters import QwenImageAdapter, WanAdapter
 
