@@ -46,6 +46,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,15 +54,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._harness import add_device_arguments, device, interleaved_samples, spawn, write_json
+from benchmarks._peer_impls import _implementations, _stand_in
 from benchmarks.attention import _parallel_config
 
 IMPLS = ("ours", "ours_direct", "deepspeed", "yunchang", "minimal", "native", "floor")
 PEERS = ("deepspeed", "yunchang", "minimal", "native")  # the "best peer" is the fastest of these
-INSTALL = {
-    "deepspeed": "DS_BUILD_OPS=0 pip install --no-deps deepspeed && pip install torch==2.13.0 einops hjson "
-    "msgpack ninja numpy packaging psutil py-cpuinfo pydantic tqdm",
-    "yunchang": "pip install torch==2.13.0 yunchang",
-}
 # Every implementation runs the same SDPA kernel on the same per-head numbers as the reference: the exchanges
 # only move values, so any difference is summation order inside the kernel (the reference runs all H heads in
 # one call, a rank H/P; diffusers' native backward is its own). fp32 softmax-weighted sums of S terms of O(1)
@@ -70,108 +67,21 @@ INSTALL = {
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def _sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **kwargs) -> torch.Tensor:
-    """SDPA on ``[B, S, H, D]`` tensors -> ``[B, S, H, D]`` (the peers' local-attention convention)."""
-    scale = kwargs.get("softmax_scale")
-    return F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale
-    ).transpose(1, 2)
-
-
-def _a2a(x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
-    """The textbook exchange of one tensor: ``[B, S_l, H, D] -> [B, S, H/P, D]`` (``to_heads``) or back."""
-    p = dist.get_world_size(group)
-    b, s, h, d = x.shape
-    if to_heads:  # destination-major [P, S_l, B, H/P, D]; received, source p's rows come p-th: [S, B, H/P, D]
-        send = x.reshape(b, s, p, h // p, d).permute(2, 1, 0, 3, 4).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        return recv.reshape(p * s, b, h // p, d).transpose(0, 1)
-    send = x.transpose(0, 1).contiguous().view(p, s // p, b, h, d)  # destination p: its rows, my heads
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(2, 1, 0, 3, 4).reshape(b, s // p, p * h, d)
-
-
-class _Minimal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.to_heads = group, to_heads
-        return _a2a(x, group, to_heads)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _a2a(grad, ctx.group, not ctx.to_heads), None, None
-
-
-def _minimal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
-    q, k, v = (_Minimal.apply(t, group, True) for t in (q, k, v))
-    return _Minimal.apply(_sdpa_bshd(q, k, v), group, False)
-
-
-def _ours_in_scope(config, world: int, rank: int):
-    """``ulysses_sdpa_attention`` inside a model forward's scope, as ``FSDPEngine`` runs it (``trusted``:
-    the inputs are the same on every rank; every split even, so the call's lengths are its own)."""
-    from sp_diffusers.attention import ulysses_sdpa_attention
-    from sp_diffusers.forward_scope import ForwardScope, pop, push
-
-    def call(q, k, v):
-        scope = ForwardScope(config, world, rank, "trusted", ("peers", tuple(q.shape)))
-        push(scope)
-        try:
-            return ulysses_sdpa_attention(q, k, v, _parallel_config=config)
-        finally:
-            pop(scope)
-
-    return call
-
-
-def _implementations(config, world: int, rank: int) -> tuple[dict, dict]:
-    """(name -> attention on ``[B, S_l, H, D]`` q, k, v; name -> why absent) for this process's installs."""
-    from diffusers.models.attention_dispatch import _native_attention
-
-    from sp_diffusers.attention import ulysses_sdpa_attention
-
-    group = dist.group.WORLD
-    fns = {
-        "ours": _ours_in_scope(config, world, rank),
-        "ours_direct": lambda q, k, v: ulysses_sdpa_attention(q, k, v, _parallel_config=config),
-        "minimal": lambda q, k, v: _minimal(q, k, v, group),
-        "native": lambda q, k, v: _native_attention(q, k, v, _parallel_config=config),
-    }
-    absent = {}
-    try:
-        import deepspeed
-        from deepspeed.sequence.layer import DistributedAttention
-
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        ds = DistributedAttention(_sdpa_bshd, group, scatter_idx=2, gather_idx=1)
-        fns["deepspeed"] = lambda q, k, v: ds(q, k, v, 0)
-    except ImportError as err:
-        absent["deepspeed"] = f"not installed ({err}); install: {INSTALL['deepspeed']}"
-    try:
-        from yunchang import UlyssesAttention
-        from yunchang.kernels import AttnType
-
-        yc = UlyssesAttention(group, scatter_idx=2, gather_idx=1, attn_type=AttnType.TORCH_FLASH)
-        yc.attn_fn = _sdpa_bshd  # the local kernel held equal (see the module docstring)
-        fns["yunchang"] = yc
-    except ImportError as err:
-        absent["yunchang"] = f"not installed ({err}); install: {INSTALL['yunchang']}"
-    return fns, absent
-
-
 def _max_err(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
     diff = (got.double() - ref.double()).abs()
     return diff.max().item(), bool((diff <= ATOL + RTOL * ref.double().abs()).all())
 
 
-def bench_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, rounds: int, only: list[str]):
+def bench_rank(
+    rank: int, world: int, seq: int, heads: int, head_dim: int, rounds: int, only: list[str], stand_in: bool
+):
     import logging
 
     from diffusers.utils import logging as dlogging
 
     dlogging.set_verbosity(logging.ERROR)
+    if stand_in:  # this rank is a process of its own: every caller of F.scaled_dot_product_attention gets it
+        F.scaled_dot_product_attention = _stand_in
     dev, batch = device(), 1
     config = _parallel_config(world)
     g = torch.Generator().manual_seed(seq)
@@ -207,6 +117,9 @@ def bench_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, round
     checks = {}
     for name, step in steps.items():
         got = step()
+        if stand_in:  # nothing to check: the stand-in is not attention
+            checks[name] = {"max_abs_err": None, "exact": None}
+            continue
         want = [r[:, :, hs] for r in ref] if name == "floor" else [r[:, rows] for r in ref]
         errs = dict(
             zip(
@@ -219,12 +132,27 @@ def bench_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, round
             "max_abs_err": {w: e for w, (e, _) in errs.items()},
             "exact": all(ok for _, ok in errs.values()),
         }
-    samples = interleaved_samples(steps, rounds, warmup=1, rotate=True)
-    # a round's time is its slowest rank's
-    table = torch.tensor([samples[n] for n in steps], dtype=torch.float64).to(dev)
+    # CPU seconds of the rank's process (every thread: gloo's too) per call: the work, which a loaded machine
+    # inflates less than the wall clock (time waiting for the peer or for a core is not in it)
+    cpu: dict[str, list[float]] = {n: [] for n in steps}
+
+    def clocked(name: str, step):
+        def run() -> None:
+            start = time.process_time()
+            step()
+            cpu[name].append(time.process_time() - start)
+
+        return run
+
+    samples = interleaved_samples({n: clocked(n, s) for n, s in steps.items()}, rounds, warmup=1, rotate=True)
+    # a round's time is its slowest rank's; the first CPU sample of each is the warmup's
+    table = torch.tensor([samples[n] for n in steps] + [cpu[n][1:] for n in steps], dtype=torch.float64)
+    table = table.to(dev)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    rows = table.cpu().tolist()
     return {
-        "samples_s": {n: row.tolist() for n, row in zip(steps, table.cpu(), strict=True)},
+        "samples_s": dict(zip(steps, rows[: len(steps)], strict=True)),
+        "cpu_s": dict(zip(steps, rows[len(steps) :], strict=True)),
         "checks": checks,
         "absent": absent,
         "versions": _versions(),
@@ -251,9 +179,11 @@ def summarize(result: dict) -> dict:
     best = min(peers, key=med.get) if peers else None
     rows = {}
     for name, ts in samples.items():
-        row = {"median_ms": med[name] * 1e3, "samples_ms": [t * 1e3 for t in ts]}
+        cpu = statistics.median(result["cpu_s"][name])
+        row = {"median_ms": med[name] * 1e3, "samples_ms": [t * 1e3 for t in ts], "cpu_ms": cpu * 1e3}
         if "floor" in med:
             row["vs_floor"] = med[name] / med["floor"]
+            row["cpu_vs_floor"] = cpu / statistics.median(result["cpu_s"]["floor"])
             row["vs_floor_per_round"] = statistics.median(
                 a / b for a, b in zip(ts, samples["floor"], strict=True)
             )
@@ -298,6 +228,32 @@ def _plot(summary: dict, title: str, path: str) -> None:
     print(f"wrote {path}")
 
 
+def _print(summary: dict, title: str) -> None:
+    print(f"\nUlysses attention fwd+bwd vs peers: {title}; best peer: {summary['best_peer']}")
+    print(
+        f"{'implementation':<14} {'median ms':>10} {'/floor':>7} {'/floor*':>8} {'/best peer':>10} "
+        f"{'cpu ms':>8} {'cpu/floor':>9}  exact (max abs err)"
+    )
+    for name in IMPLS:
+        row = summary["implementations"].get(name)
+        if row is None:
+            continue
+        if "absent" in row:
+            print(f"{name:<14} {'absent':>10}  {row['absent']}")
+            continue
+        cols = " ".join(
+            f"{row.get(k, float('nan')):{w}.3f}"
+            for k, w in (("vs_floor", 7), ("vs_floor_per_round", 8), ("vs_best_peer", 10))
+        )
+        exact = "n/a" if row["exact"] is None else f"{row['exact']} ({max(row['max_abs_err'].values()):.1e})"
+        cpu = f"{row['cpu_ms']:8.1f} {row.get('cpu_vs_floor', float('nan')):9.3f}"
+        print(f"{name:<14} {row['median_ms']:10.1f} {cols} {cpu}  {exact}")
+    print(
+        f"/floor* = median of the per-round ratios; cpu = CPU seconds of the rank's process per call (median, "
+        f"slowest rank); exact: |err| <= {ATOL} + {RTOL} |reference| everywhere"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=4096)
@@ -306,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--only", nargs="+", default=[], choices=IMPLS, help="run only these implementations")
+    p.add_argument(
+        "--exchange-only", action="store_true", help="SDPA replaced by a stand-in: the exchanges' own cost"
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     add_device_arguments(p)
@@ -318,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         args.head_dim,
         args.rounds,
         args.only,
+        args.exchange_only,
         backend=args.backend,
         device=args.device,
     )[0]
@@ -325,25 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     title = (
         f"S={args.seq} H={args.heads} D={args.head_dim} B=1 fp32, {args.world} ranks ({args.backend}, "
         f"{args.device}), {args.rounds} rounds"
+        + (", exchange only (SDPA stood in)" if args.exchange_only else "")
     )
-    print(f"\nUlysses attention fwd+bwd vs peers: {title}; best peer: {summary['best_peer']}")
-    print(
-        f"{'implementation':<14} {'median ms':>10} {'/floor':>7} {'/floor*':>8} {'/best peer':>10}  exact (max abs err)"
-    )
-    for name in IMPLS:
-        row = summary["implementations"].get(name)
-        if row is None:
-            continue
-        if "absent" in row:
-            print(f"{name:<14} {'absent':>10}  {row['absent']}")
-            continue
-        cols = [
-            f"{row.get(k, float('nan')):{w}.3f}"
-            for k, w in (("vs_floor", 7), ("vs_floor_per_round", 8), ("vs_best_peer", 10))
-        ]
-        err = max(row["max_abs_err"].values())
-        print(f"{name:<14} {row['median_ms']:10.1f} {' '.join(cols)}  {row['exact']} ({err:.1e})")
-    print(f"/floor* = median of the per-round ratios; exact: |err| <= {ATOL} + {RTOL} |reference| everywhere")
+    _print(summary, title)
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     write_json(
         args.json,
@@ -357,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.plot:
         _plot(summary, title, args.plot)
-    return 0 if all(r.get("exact", True) for r in summary["implementations"].values()) else 1
+    return 0 if all(r.get("exact") is not False for r in summary["implementations"].values()) else 1
 
 
 if __name__ == "__main__":
