@@ -4,6 +4,8 @@ installed), a textbook exchange, diffusers' native Ulysses; and ``--exchange-onl
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -54,25 +56,26 @@ def _minimal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.
     return _Minimal.apply(_sdpa_bshd(q, k, v), group, False)
 
 
-def _ours_in_scope(config, world: int, rank: int):
-    """``ulysses_sdpa_attention`` inside a model forward's scope, as ``FSDPEngine`` runs it (``trusted``:
-    the inputs are the same on every rank; every split even, so the call's lengths are its own)."""
-    from sp_diffusers.attention import ulysses_sdpa_attention
-    from sp_diffusers.forward_scope import ForwardScope, pop, push
+def _ours_in_scope(config, world: int, rank: int, package: str = "sp_diffusers"):
+    """``ulysses_sdpa_attention`` of ``package`` inside a model forward's scope, as ``FSDPEngine`` runs it
+    (``trusted``: the inputs are the same on every rank; every split even, so the call's lengths are its own)."""
+    attention = importlib.import_module(f"{package}.attention")
+    scopes = importlib.import_module(f"{package}.forward_scope")
 
     def call(q, k, v):
-        scope = ForwardScope(config, world, rank, "trusted", ("peers", tuple(q.shape)))
-        push(scope)
+        scope = scopes.ForwardScope(config, world, rank, "trusted", ("peers", tuple(q.shape)))
+        scopes.push(scope)
         try:
-            return ulysses_sdpa_attention(q, k, v, _parallel_config=config)
+            return attention.ulysses_sdpa_attention(q, k, v, _parallel_config=config)
         finally:
-            pop(scope)
+            scopes.pop(scope)
 
     return call
 
 
-def _implementations(config, world: int, rank: int) -> tuple[dict, dict]:
-    """(name -> attention on ``[B, S_l, H, D]`` q, k, v; name -> why absent) for this process's installs."""
+def _implementations(config, world: int, rank: int, before_tree: str | None = None) -> tuple[dict, dict]:
+    """(name -> attention on ``[B, S_l, H, D]`` q, k, v; name -> why absent) for this process's installs;
+    ``ours_before`` is the ``sp_diffusers`` of the checkout ``before_tree`` (imported as ``sp_before``)."""
     from diffusers.models.attention_dispatch import _native_attention
 
     from sp_diffusers.attention import ulysses_sdpa_attention
@@ -84,6 +87,11 @@ def _implementations(config, world: int, rank: int) -> tuple[dict, dict]:
         "minimal": lambda q, k, v: _minimal(q, k, v, group),
         "native": lambda q, k, v: _native_attention(q, k, v, _parallel_config=config),
     }
+    if before_tree:
+        from benchmarks.uneven import _load_tree
+
+        _load_tree(before_tree)
+        fns["ours_before"] = _ours_in_scope(config, world, rank, "sp_before")
     absent = {}
     try:
         import deepspeed

@@ -1,13 +1,14 @@
 """Ulysses attention side by side with its peers, on the same inputs in one run, every result checked exact.
 
     python benchmarks/peers.py [--seq 4096] [--heads 8] [--head-dim 64] [--rounds 15] [--json out.json] \
-        [--plot out.png] [--only ours minimal floor]
+        [--plot out.png] [--only ours minimal floor] [--before-tree DIR] [--exchange-only]
 
 One attention forward + backward per call, B = 1, 2 ranks x 1 thread (gloo, fp32) by default; each rank holds
 ``[B, S/P, H, D]`` of q, k, v and the output gradient. Implementations (per rank):
   ours          ``ulysses_sdpa_attention`` as a model forward runs it: inside the forward's scope (the ranks'
                 lengths known, no handshake), one fused Q/K/V exchange and one output exchange each way
   ours_direct   the same called directly, outside a model forward: it opens with the per-call handshake
+  ours_before   with ``--before-tree DIR``: ``ours`` of an earlier checkout (``git worktree add DIR <commit>``)
   deepspeed     ``deepspeed.sequence.layer.DistributedAttention`` (one all-to-all per tensor)
   yunchang      ``yunchang.UlyssesAttention`` (one all-to-all per tensor)
   minimal       a textbook exchange written here: ``all_to_all_single`` per tensor, permute copies, SDPA
@@ -57,7 +58,7 @@ from benchmarks._harness import add_device_arguments, device, interleaved_sample
 from benchmarks._peer_impls import _implementations, _stand_in
 from benchmarks.attention import _parallel_config
 
-IMPLS = ("ours", "ours_direct", "deepspeed", "yunchang", "minimal", "native", "floor")
+IMPLS = ("ours", "ours_direct", "ours_before", "deepspeed", "yunchang", "minimal", "native", "floor")
 PEERS = ("deepspeed", "yunchang", "minimal", "native")  # the "best peer" is the fastest of these
 # Every implementation runs the same SDPA kernel on the same per-head numbers as the reference: the exchanges
 # only move values, so any difference is summation order inside the kernel (the reference runs all H heads in
@@ -73,7 +74,15 @@ def _max_err(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
 
 
 def bench_rank(
-    rank: int, world: int, seq: int, heads: int, head_dim: int, rounds: int, only: list[str], stand_in: bool
+    rank: int,
+    world: int,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    rounds: int,
+    only: list[str],
+    stand_in: bool,
+    before_tree: str | None = None,
 ):
     import logging
 
@@ -96,7 +105,8 @@ def bench_rank(
     local = [t[:, rows].contiguous() for t in (q, k, v, dout)]
     floor = [t[:, :, hs].transpose(1, 2).contiguous() for t in (q, k, v, dout)]  # SDPA's own [B, H/P, S, D]
 
-    fns, absent = _implementations(config, world, rank)
+    fns, absent = _implementations(config, world, rank, before_tree)
+    absent = {n: why for n, why in absent.items() if not only or n in only}
     fns = {n: fns[n] for n in IMPLS if n in fns and (not only or n in only)}
 
     def sp_step(fn) -> list[torch.Tensor]:
@@ -265,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--exchange-only", action="store_true", help="SDPA replaced by a stand-in: the exchanges' own cost"
     )
+    p.add_argument(
+        "--before-tree",
+        default=None,
+        help="a checkout of an earlier sp-diffusers: its ulysses_sdpa as ours_before",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     add_device_arguments(p)
@@ -278,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds,
         args.only,
         args.exchange_only,
+        args.before_tree,
         backend=args.backend,
         device=args.device,
     )[0]
