@@ -6,8 +6,8 @@ the other direction) and checks their inputs. Shapes use ``sp_diffusers.comm``'s
 The send buffer of ``seq -> heads`` is laid out ``[P, S_l, B, W]`` (W = the concatenated ``H_l * D`` of the
 packed tensors), destination rank first, so that the receive buffer reads as ``[S, B, W]`` without a copy
 (source rank and ``S_l`` are adjacent): the received tensors are strided views, one layout copy in total on
-the way in. ``heads -> seq`` sends ``[S, B, W]`` rows (the queries' own layout: SDPA's output needs no pack)
-and interleaves each source's heads on the way out: one copy. Where this rank's own block can be left out of
+the way in. ``heads -> seq`` sends ``[S, B, W]`` rows (the received queries' layout: an output a kernel
+writes in it needs no pack) and interleaves each source's heads on the way out: one copy. Where this rank's own block can be left out of
 the collective (:func:`_others`) it is copied straight to its place instead.
 """
 
@@ -201,7 +201,7 @@ def _heads_to_seq_others(
     s_l, width = s // world, sum(tensors[i].shape[2] * tensors[i].shape[3] for i in idx)
     rows = slice(others.start * s_l, others.stop * s_l)
     if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
-        send = tensors[idx[0]].transpose(0, 1).reshape(s, b, width)[rows]  # no pack copy (see below)
+        send = tensors[idx[0]].transpose(0, 1).reshape(s, b, width)[rows]  # already [S, B, W]: no pack copy
     else:
         send = _send_buffer(((world - 1) * s_l, b, width), tensors[idx[0]].dtype, tensors[idx[0]].device)
         _pack_rows(send, tensors, idx, rows)
@@ -263,9 +263,9 @@ def _heads_to_seq_impl(
             s_l = s // world if uneven is None else uneven[rank]
             width = sum(tensors[i].shape[2] * tensors[i].shape[3] for i in idx)
             if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
-                # SDPA writes its output in the query's layout, and the queries came out of seq_to_heads as
-                # [S, B, H_l, D] in memory: that already is the send layout [S, B, W] (destination rows in
-                # rank order), so no pack copy.
+                # a kernel that writes its output in the query's layout, for queries straight out of
+                # seq_to_heads ([S, B, H_l, D] in memory), leaves it in the send layout [S, B, W] already
+                # (destination rows in rank order): no pack copy.
                 send = tensors[idx[0]].transpose(0, 1).reshape(s, b, width)
             else:
                 send = _send_buffer((s, b, width), dtype, device)
