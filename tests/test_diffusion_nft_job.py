@@ -3,8 +3,8 @@ CPU processes under torchrun, Ulysses SP = 2, and the colour reward must rise.
 
 Shortened how: 8 iterations, 6 denoising steps, lr 1e-3 and one prompt ("a red ball", so the batch std that divides
 the advantages is the samples' spread, not the spread between colours: a clean signal in few iterations). Measured
-on 2 CPU cores: the reward goes -0.48, -0.49, ..., -0.14, -0.12 (first two iterations' mean -0.485, last two's
--0.128: +0.36), rising every iteration after the second; the run is deterministic (fixed seeds, gloo on CPU), so the
+on 2 CPU cores (25 s wall): the reward goes -0.48, -0.49, -0.43, -0.36, -0.27, -0.21, -0.18, -0.14 (first two
+iterations' mean -0.485, last two's -0.157: +0.33), rising every iteration after the second; the run is deterministic (fixed seeds, gloo on CPU), so the
 margin asserted, +0.15, leaves room only for rounding differences between machines, not for a run that does not learn
 (a broken loss sign drives the reward down; a zero gradient leaves it within ~0.01).
 """
