@@ -27,7 +27,7 @@ def collect(t: Any, batch: dict[str, Any]) -> tuple[Trajectory, torch.Tensor, to
     with t.engine.eval_mode(), t.weight_holder() as hold:
         traj = rollout_phase(t, batch, hold)
         old_log_probs = traj.rollout_log_probs()
-        if t.config.flowgrpo.recompute_old_log_probs:
+        if t.config.flowgrpo.recompute_old_log_probs and t.algorithm.uses_log_probs:
             with comm_phase("old_log_probs"):
                 old_log_probs = recompute_log_probs(t, batch, traj, hold)
     with t.engine.eval_mode(), comm_phase("reward"):
@@ -36,11 +36,12 @@ def collect(t: Any, batch: dict[str, Any]) -> tuple[Trajectory, torch.Tensor, to
 
 
 def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajectory:
-    """The rollout of a prepared batch (SDE span, ODE elsewhere), each step's engine through ``hold``."""
+    """The rollout of a prepared batch (SDE span, the algorithm's ODE solver elsewhere) by the algorithm's rollout
+    policy, each step's engine through ``hold``."""
     g, algorithm = t.config.flowgrpo, t.algorithm
     with comm_phase("rollout"):
         traj = rollout(
-            t.engine,
+            algorithm.rollout_engine(t.engine),
             t.adapter,
             t._cond(batch),
             batch["latents"],
@@ -52,8 +53,10 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajecto
             final_is_prediction=algorithm.final_is_prediction,
             cfg_batch=t.config.rollout.cfg_batch,
             hold=hold,
+            solver=algorithm.ode_solver(),
         )
     traj.train_steps, traj.host_steps = batch.get("train_steps"), batch.get("train_steps_host")
+    algorithm.store(traj, batch)
     if t.engine.debug_checks:
         t.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
     return traj
@@ -95,7 +98,7 @@ def reward_phase(t: Any, batch: dict[str, Any], traj: Trajectory) -> tuple[torch
     advantages_all = t.algorithm.advantages(all_rewards, all_groups)
     b = rewards.shape[0]
     advantages = advantages_all[t.engine.dp_rank * b : (t.engine.dp_rank + 1) * b]
-    if g.drop_zero_advantage:
+    if t.algorithm.drops_zero_advantage():
         # read by update(); seeded from the batch, so SP peers (which share it) keep the same samples
         batch["kept_indices"] = kept_samples(
             advantages_all,

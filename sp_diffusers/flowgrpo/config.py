@@ -135,6 +135,14 @@ class FlowGRPOConfig:
     # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
     # kwargs, name}]; the total is the weighted sum (reward_loading.py)
     rewards: list = field(default_factory=list)
+    # DiffusionNFT (arXiv 2509.16117; flowgrpo.algorithm: diffusion_nft; algorithms/diffusion_nft.py), the
+    # reference's defaults (NVlabs/DiffusionNFT config/nft.py): the implicit policies' mix beta (0.1 in its OCR and
+    # multi-reward configs), the old policy's decay schedule (copy | linear_to_0_5 | delayed_linear_to_0_999, its
+    # decay_type 0 | 1 | 2), the fraction of the N timesteps each sample trains, the rollout's solver (dpm2 | euler)
+    nft_beta: float = 1.0
+    nft_decay: str = "linear_to_0_5"
+    nft_timestep_fraction: float = 0.99
+    nft_solver: str = "dpm2"
 
 
 @dataclass

@@ -139,6 +139,7 @@ class FlowGRPOTrainer:
         self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
         self._update_gather: bool | None = None  # update.gather_params, decided at the first update
         self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
+        self.algorithm.attach(self.engine)  # what it keeps beside the model (DiffusionNFT: the old policy)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -262,6 +263,7 @@ class FlowGRPOTrainer:
         batch = self.engine.prepare_batch(self.iteration_batch(iteration))
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
+        metrics.update(self.algorithm.after_update(self.engine))  # e.g. DiffusionNFT's old-policy decay
         metrics.update(stats)
         if self.stream is not None:
             metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
@@ -276,6 +278,7 @@ class FlowGRPOTrainer:
         if not self.config.train.resume or latest(self.ckpt_dir) is None:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)
+        self.algorithm.attach(self.engine)  # its state follows the loaded weights
         self.start_iteration = int(extra.get("iteration", 0))
         # checkpoints older than data files: the position an unchanged layout reaches
         self.data_base = (

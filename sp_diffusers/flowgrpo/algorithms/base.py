@@ -8,11 +8,17 @@ reward I/O call these methods and never name an algorithm:
     batch        ``plan``: what the iteration's generator draws for it (a window start, the steps to train), on
                  the host, the same on the ranks of an SP group; ``share_plan``: the same on every rank where two
                  experts need it (``models/experts.py``)
-    rollout      ``span`` (which steps are stochastic; the rest are ODE) and ``final_is_prediction`` (the reward
-                 reads the last predicted data, not the last latent)
-    advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups
+    lifecycle    ``attach``: once the engine is built, and again after a checkpoint is loaded (state the algorithm keeps
+                 beside the trained model, such as DiffusionNFT's old policy); ``after_update``: after an
+                 iteration's optimizer steps
+    rollout      ``span`` (which steps are stochastic; the rest are ODE), ``ode_solver`` (the solver of the rest:
+                 Euler unless it says otherwise), ``rollout_engine`` (the policy that samples), ``store`` (what
+                 the update reads beyond the span, kept on the trajectory) and ``final_is_prediction`` (the
+                 reward reads the last predicted data, not the last latent)
+    advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``drops_zero_advantage``
     update       ``step_loss``: the loss of one trained step of some samples from the stored rollout and the current
-                 policy, in the form ``FSDPEngine.forward_backward`` takes, with its metrics
+                 policy, in the form ``FSDPEngine.forward_backward`` takes, with its metrics; ``uses_log_probs``:
+                 whether it reads the rollout's (old) log-probs, which the loop then computes
 
 The base class is the Flow-GRPO family's shared part: the clipped ratio objective of a stored SDE step, with the
 optional KL to the adapters-off reference. A new algorithm subclasses it and overrides what differs; its
@@ -50,6 +56,7 @@ class Algorithm:
     name: ClassVar[str] = ""
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
+    uses_log_probs: ClassVar[bool] = True  # a ratio to the rollout's log-probs (False: none stored, none recomputed)
 
     def __init__(self, config: TrainConfig) -> None:
         self.config, self.g = config, config.flowgrpo
@@ -74,10 +81,36 @@ class Algorithm:
     def check_trainable(self, trainable: set[int], owners: dict[int, str], trained: list[str]) -> None:
         """Refuse a run whose trained steps never reach a trained expert (two experts)."""
 
+    # --------------------------------------------------------------------------------------- lifecycle
+    def attach(self, engine: Any) -> None:
+        """Called when the trainer has built ``engine`` and again after it loaded a checkpoint into it: build or
+        refresh what the algorithm keeps beside the trained model (the Flow-GRPO family keeps nothing)."""
+
+    def after_update(self, engine: Any) -> dict[str, float]:
+        """Called after an iteration's optimizer steps; its metrics join the iteration's."""
+        return {}
+
     # ----------------------------------------------------------------------------------------- rollout
     def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int, int]:
         """``(start, size)``: the rollout's stochastic steps (their latents and log-probs are stored)."""
         return int(batch["window_start"]), self.g.window_size
+
+    def ode_solver(self) -> Any:
+        """A fresh solver (``step(x, v, sigmas, i) -> x'``) for one rollout's deterministic steps; None: Euler
+        (``sampling.sde.ode_step``)."""
+        return None
+
+    def rollout_engine(self, engine: Any) -> Any:
+        """The engine whose policy samples the rollout (the trained one: on-policy)."""
+        return engine
+
+    def store(self, traj: Trajectory, batch: dict[str, Any]) -> None:
+        """Keep in ``traj.extras`` what ``step_loss`` reads beyond the span (here: nothing)."""
+
+    def drops_zero_advantage(self) -> bool:
+        """Whether samples of advantage 0 are left out of the update (``flowgrpo.drop_zero_advantage``: with a
+        ratio objective their gradient is 0)."""
+        return self.g.drop_zero_advantage
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,12 @@ from __future__ import annotations
 from ..config import ConfigError, TrainConfig
 from .base import Algorithm
 from .dance_grpo import DanceGRPO
+from .diffusion_nft import DiffusionNFT
 from .flow_grpo import FlowGRPO
 
 __all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO)}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO, DiffusionNFT)}
 
 
 def algorithm_class(config: TrainConfig) -> type[Algorithm]:

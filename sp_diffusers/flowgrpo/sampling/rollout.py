@@ -13,7 +13,7 @@ and the latents are identical there; the transformer's Ulysses attention does th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ class Trajectory:
     final: torch.Tensor  # [B, ...] the denoised latents (reward input)
     train_steps: torch.Tensor | None = None  # [B, T] schedule steps to train on; None: every span step
     host_steps: list[int] | None = None  # the T trained steps when every sample shares them (two experts)
+    extras: dict[str, Any] = field(default_factory=dict)  # what the algorithm's update reads beyond the span
 
     def host_step(self, k: int) -> int | None:
         """The schedule step of the k-th trained step as a host int when every sample shares it, else None."""
@@ -56,8 +57,11 @@ class Trajectory:
         return steps, self.latents[idx, pos], self.latents[idx, pos + 1]
 
     def rollout_log_probs(self) -> torch.Tensor:
-        """``[B, T]``: the rollout's log-prob of each trained step (old log-probs without recomputation)."""
+        """``[B, T]``: the rollout's log-prob of each trained step (old log-probs without recomputation); zeros
+        for a rollout without stochastic steps (an algorithm without a ratio reads none)."""
         pos = self.steps() - self.window_start
+        if self.log_probs.shape[1] == 0:
+            return torch.zeros(pos.shape, device=pos.device)
         return torch.gather(self.log_probs.to(pos.device), 1, pos)
 
 
@@ -132,12 +136,15 @@ def rollout(
     final_is_prediction: bool = False,
     cfg_batch: bool = True,
     hold: Callable[[Any], Any] | None = None,
+    solver: Any = None,
 ) -> Trajectory:
     """Denoise ``noise`` from sigma 1 to 0; SDE steps in ``[window_start, window_start + window_size)``.
 
     ``final_is_prediction``: the reward reads the last step's predicted data ``x - sigma v`` instead of the
     sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same).
-    ``hold``: each step's engine passes through it (``guidance.WeightHolder``: weights gathered once)."""
+    ``hold``: each step's engine passes through it (``guidance.WeightHolder``: weights gathered once).
+    ``solver``: the deterministic steps' solver (``step(x, v, sigmas, i) -> x'``, e.g. ``dpm_solver.DPMSolver2``);
+    None: Euler. A span of size 0 stores no latents and no log-probs (``[B, 0, ...]``, ``[B, 0]``)."""
     sigmas = schedule.sigmas  # the CPU copy: its numbers are read on the host
     num_steps = schedule.num_steps
     if not 0 <= window_start <= num_steps - window_size:
@@ -165,10 +172,15 @@ def rollout(
             step = rule.step(x, v, sigmas, i, generator=generator)
             x = step.prev_sample
             log_probs.append(step.log_prob)
+        elif solver is not None:
+            x = solver.step(x, v, sigmas, i)
         else:
             x = ode_step(x, v, float(sigmas[i]), float(sigmas[i + 1]))
-        if i == window_start + window_size - 1:
+        if window_size and i == window_start + window_size - 1:
             stored.append(x)
+    if not window_size:  # nothing stochastic: nothing stored but the end
+        return Trajectory(x.new_zeros((x.shape[0], 0, *x.shape[1:])), x.new_zeros((x.shape[0], 0)), window_start,
+                          x if final is None else final)
     return Trajectory(
         torch.stack(stored, dim=1), torch.stack(log_probs, dim=1), window_start, x if final is None else final
     )
