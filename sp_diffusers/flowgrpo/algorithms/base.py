@@ -8,8 +8,9 @@ reward I/O call these methods and never name an algorithm:
     batch        ``plan``: what the iteration's generator draws for it (a window start, the steps to train), on
                  the host, the same on the ranks of an SP group; ``share_plan``: the same on every rank where two
                  experts need it (``models/experts.py``)
-    rollout      ``span`` (which steps are stochastic; the rest are ODE) and ``final_is_prediction`` (the reward
-                 reads the last predicted data, not the last latent)
+    rollout      ``span`` (which steps are stochastic, for every sample or per sample; the rest are ODE),
+                 ``final_is_prediction`` (the reward reads the last predicted data, not the last latent) and
+                 ``keeps_old_means`` (the old policy's step means are stored beside its log-probs: ``traj.old_means``)
     advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups
     update       ``step_loss``: the loss of one trained step of some samples from the stored rollout and the current
                  policy, in the form ``FSDPEngine.forward_backward`` takes, with its metrics
@@ -50,6 +51,7 @@ class Algorithm:
     name: ClassVar[str] = ""
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
+    default_timestep_fraction: ClassVar[float] = 0.99  # flowgrpo.timestep_fraction: 0 -> this (the reference's)
 
     def __init__(self, config: TrainConfig) -> None:
         self.config, self.g = config, config.flowgrpo
@@ -58,6 +60,11 @@ class Algorithm:
     @classmethod
     def check(cls, config: TrainConfig) -> None:
         """Refuse this algorithm's keys where they cannot train (``ConfigError`` naming the key and the fix)."""
+
+    @classmethod
+    def timestep_fraction(cls, config: TrainConfig) -> float:
+        """``flowgrpo.timestep_fraction``, or this algorithm's reference value where it is left at 0."""
+        return config.flowgrpo.timestep_fraction or cls.default_timestep_fraction
 
     def step_rule(self) -> StepRule:
         return StepRule(self.g.sde_type, self.g.noise_level)
@@ -75,9 +82,15 @@ class Algorithm:
         """Refuse a run whose trained steps never reach a trained expert (two experts)."""
 
     # ----------------------------------------------------------------------------------------- rollout
-    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int, int]:
-        """``(start, size)``: the rollout's stochastic steps (their latents and log-probs are stored)."""
+    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int | list[int], int]:
+        """``(start, size)``: the rollout's stochastic steps (their latents and log-probs are stored); ``start`` a
+        host list of one start per sample when each sample has its own window (``sampling/rollout.py``)."""
         return int(batch["window_start"]), self.g.window_size
+
+    def keeps_old_means(self) -> bool:
+        """Whether the loss reads the old policy's step means (``traj.old_means`` ``[B, T, ...]``, beside the old
+        log-probs: from their recomputation, or stored by the rollout when they are not recomputed)."""
+        return False
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
