@@ -164,23 +164,33 @@ def time_it(fn: Callable[[], Any], repeats: int, warmup: int = 1, group=None) ->
     return statistics.median(samples)
 
 
-def interleaved_times(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per callable, running them round-robin (each repetition runs each once, ranks
-    starting together) so slow phases of a noisy machine hit every variant alike."""
+def interleaved_samples(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, rotate: bool = False
+) -> dict[str, list[float]]:
+    """Seconds of every run per callable, run round-robin (each repetition runs each once, ranks starting
+    together) so slow phases of a noisy machine hit every variant alike. ``rotate``: repetition i starts at
+    the i-th callable, so none always runs right after the same neighbour (or first, after the barrier)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for i in range(repeats):
+        order = names[i % len(names) :] + names[: i % len(names)] if rotate else names
+        for name in order:
             synchronize()
             if dist.is_initialized():
                 dist.barrier()
             start = time.perf_counter()
-            fn()
+            fns[name]()
             synchronize()
             samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in samples.items()}
+    return samples
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per callable, run round-robin (:func:`interleaved_samples`)."""
+    return {name: statistics.median(ts) for name, ts in interleaved_samples(fns, repeats, warmup).items()}
 
 
 def memory_profile(fn: Callable[[], Any]) -> tuple[int, int]:

@@ -46,6 +46,10 @@ class _Counter:
             sent = 2 * n * (p - 1) // p
         else:  # gather_in: my tensor goes to every peer
             sent = n * (p - 1)
+        self.add_sent(sent)
+
+    def add_sent(self, sent: int) -> None:
+        """One collective that sends ``sent`` bytes from this rank."""
         if self.in_handshake:
             self.handshake_bytes += sent
             self.handshake_calls += 1
@@ -81,7 +85,13 @@ def counting(counter: _Counter):
         originals[(dist, "all_gather_single")] = dist.all_gather_single
 
     def a2a(output, input, *args, **kwargs):
-        counter.add(input, "a2a", _group(args, kwargs, 2))
+        group = _group(args, kwargs, 2)
+        splits = kwargs.get("input_split_sizes", args[1] if len(args) > 1 else None)
+        if splits:  # in rows of dim 0: all but this rank's own block leaves it (the own block may be left out)
+            n = input.numel() * input.element_size()
+            counter.add_sent(n - splits[dist.get_rank(group)] * (n // max(1, input.shape[0])))
+        else:
+            counter.add(input, "a2a", group)
         return originals[(dist, "all_to_all_single")](output, input, *args, **kwargs)
 
     def gather(tensor_list, tensor, *args, **kwargs):

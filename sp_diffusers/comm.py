@@ -8,10 +8,9 @@ Glossary (used in every shape comment of this package):
 The exchange packs every tensor of one call into a single ``all_to_all_single``, queries and K/V of
 different lengths (cross-attention) included: a collective costs ~1 ms of latency on gloo and a launch and
 a synchronisation point on NCCL, more than the layout work it saves. A tensor that needs no gradient (a key
-mask riding along with K/V) gets none back in the backward exchange. The send buffer is laid out
-``[P, S_l, B, W]`` (W = sum of H_l * D over the packed tensors), destination rank first, so that after
-the exchange the source-rank dim and ``S_l`` are adjacent and merge into ``S`` without a copy: the
-received tensors are strided views, one layout copy in total on the way in.
+mask riding along with K/V) gets none back in the backward exchange. The layouts (one copy per tensor and
+direction, the received queries/keys/values strided views of the receive buffer) are in
+``sp_diffusers.exchange``.
 
 Nothing here knows about attention, models or training.
 """
@@ -23,9 +22,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-# the all-gathers live in sp_diffusers.gathers; importable from here as before
+# the layouts and buffers live in sp_diffusers.exchange, the all-gathers in sp_diffusers.gathers; importable
+# from here as before
+from .exchange import _heads_to_seq_impl, _seq_to_heads_impl, release_buffers
 from .gathers import Sizes, all_gather_along, gather_ints, gather_seq
-from .gathers import uniform as _uniform
 
 __all__ = [
     "Sizes",
@@ -33,224 +33,17 @@ __all__ = [
     "gather_ints",
     "gather_seq",
     "heads_to_seq",
+    "release_buffers",
     "seq_to_heads",
     "split_sizes",
     "to_all_to_all_order",
 ]
 
 
-# Send buffers are reused on CPU: a fresh multi-MB buffer page-faults on its first write, which made the
-# packing copy cost ~2.5x the all-to-all itself on gloo (8 ms vs 3 ms at S=4096, H=8, D=64). A send
-# buffer is free again as soon as the (synchronous) collective returns. CUDA's caching allocator already
-# recycles memory, so there every buffer is a plain torch.empty.
-_SEND_BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _send_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    buf = _SEND_BUFFERS.get((dtype, device))
-    # a buffer made under torch.inference_mode() is an inference tensor: writing it outside inference mode
-    # (the next training forward) is refused by autograd, so it is replaced, and vice versa
-    if buf is None or buf.numel() < numel or buf.is_inference() != torch.is_inference_mode_enabled():
-        buf = torch.empty(numel, dtype=dtype, device=device)
-        _SEND_BUFFERS[(dtype, device)] = buf
-    return buf[:numel].view(shape)
-
-
-def release_buffers() -> None:
-    """Drop the cached CPU send buffers (they are rebuilt on the next exchange)."""
-    _SEND_BUFFERS.clear()
-
-
 def split_sizes(total: int, world: int) -> list[int]:
     """How a length ``total`` is split over ``world`` ranks: ``torch.tensor_split``'s rule (the first
     ``total % world`` ranks hold one more), which diffusers' uneven sharding and sp-diffusers' share."""
     return [total // world + (r < total % world) for r in range(world)]
-
-
-def _buckets(tensors: Sequence[torch.Tensor], sizes: Sequence[Sizes]) -> dict[tuple, list[int]]:
-    """Tensors sharing (B, S_l, sizes, dtype, device) travel as one block of the send buffer."""
-    buckets: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        key = (t.shape[0], t.shape[1], None if _uniform(sizes[i]) else tuple(sizes[i]), t.dtype, t.device)
-        buckets.setdefault(key, []).append(i)
-    return buckets
-
-
-def _pack_seq(send: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], world: int) -> None:
-    """``send`` ``[P, S_l, B, W]`` <- the tensors ``idx`` (``[B, S_l, H, D]``), heads of destination p at p."""
-    offset = 0
-    for i in idx:
-        t = tensors[i]
-        h_l, d = t.shape[2] // world, t.shape[3]
-        # [B, S_l, P, H_l, D] -> [P, S_l, B, H_l, D]: the only layout copy of this direction.
-        send[..., offset : offset + h_l * d].unflatten(-1, (h_l, d)).copy_(
-            t.unflatten(2, (world, h_l)).permute(2, 1, 0, 3, 4)
-        )
-        offset += h_l * d
-
-
-def _unpack_heads(
-    recv: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], world: int, out: list
-) -> None:
-    """``recv`` ``[S, B, W]`` -> each tensor ``[B, S, H_l, D]`` as a strided view."""
-    offset = 0
-    for i in idx:
-        h_l, d = tensors[i].shape[2] // world, tensors[i].shape[3]
-        out[i] = recv[..., offset : offset + h_l * d].unflatten(-1, (h_l, d)).transpose(0, 1)
-        offset += h_l * d
-
-
-def _seq_to_heads_impl(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes]
-) -> list[torch.Tensor]:
-    """``[B, S_l, H, D] -> [B, S, H/P, D]`` for each tensor, in one collective per dtype.
-
-    Every destination gets all of this rank's ``S_l`` rows (of its own heads), so the send splits are equal;
-    from source ``p`` arrive ``sizes[p]`` rows, which the receive splits carry. Tensors of different lengths
-    (cross-attention: queries and K/V) share the collective through a flat buffer whose per-rank blocks
-    hold one piece of each length; their receive side costs one more copy.
-    """
-    world = dist.get_world_size(group)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[tuple, dict[tuple, list[int]]] = {}
-    for key, idx in _buckets(tensors, sizes).items():
-        by_dtype.setdefault(key[3:], {})[key] = idx
-    for (dtype, device), buckets in by_dtype.items():
-        if len(buckets) == 1:
-            (((b, s_l, uneven, _, _), idx),) = buckets.items()
-            width = sum(tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx)
-            send = _send_buffer((world, s_l, b, width), dtype, device)
-            _pack_seq(send, tensors, idx, world)
-            if uneven is None:
-                recv = torch.empty_like(send)
-                dist.all_to_all_single(recv, send, group=group)
-                recv = recv.view(world * s_l, b, width)  # [P, S_l, B, W] -> [S, B, W], free
-            else:
-                # [S, B, W] with source p's rows at its offset: the same free view, split sizes per source
-                recv = torch.empty((sum(uneven), b, width), dtype=dtype, device=device)
-                dist.all_to_all_single(
-                    recv, send.view(world * s_l, b, width), list(uneven), [s_l] * world, group=group
-                )
-            _unpack_heads(recv, tensors, idx, world, out)
-            continue
-        # several lengths: per destination one block [piece of bucket 0 | piece of bucket 1 | ...]
-        shapes = []  # (idx, b, s_l, every rank's length, width)
-        for (b, s_l, uneven, _, _), idx in buckets.items():
-            width = sum(tensors[i].shape[2] // world * tensors[i].shape[3] for i in idx)
-            shapes.append((idx, b, s_l, list(uneven) if uneven is not None else [s_l] * world, width))
-        block = sum(b * s_l * w for _, b, s_l, _, w in shapes)
-        send = _send_buffer((world, block), dtype, device)
-        offset = 0
-        for idx, b, s_l, _, w in shapes:
-            _pack_seq(send[:, offset : offset + b * s_l * w].view(world, s_l, b, w), tensors, idx, world)
-            offset += b * s_l * w
-        from_source = [sum(b * n[p] * w for _, b, _, n, w in shapes) for p in range(world)]
-        recv = torch.empty(sum(from_source), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send.view(-1), from_source, [block] * world, group=group)
-        pieces = recv.split(from_source)
-        starts = [0] * world  # where the next bucket's piece begins in each source's block
-        for idx, b, _, n, w in shapes:
-            rows = []
-            for p, piece in enumerate(pieces):
-                rows.append(piece[starts[p] : starts[p] + b * n[p] * w].view(n[p], b, w))
-                starts[p] += b * n[p] * w
-            _unpack_heads(torch.cat(rows), tensors, idx, world, out)
-    return out  # type: ignore[return-value]
-
-
-def _pack_rows(send: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int]) -> None:
-    """``send`` ``[S, B, W]`` <- the tensors ``idx`` (``[B, S, H_l, D]``)."""
-    offset = 0
-    for i in idx:
-        t = tensors[i]
-        w = t.shape[2] * t.shape[3]
-        send[..., offset : offset + w].unflatten(-1, (t.shape[2], t.shape[3])).copy_(t.transpose(0, 1))
-        offset += w
-
-
-def _unpack_seq(
-    recv: torch.Tensor, tensors: Sequence[torch.Tensor], idx: list[int], world: int, out: list
-) -> None:
-    """``recv`` ``[P, S_l, B, W]`` -> each tensor ``[B, S_l, H_l * P, D]``: heads of source rank p land at
-    ``p * H_l``, the head order of the unsharded tensor. The reshape is the receive copy."""
-    b, s_l = recv.shape[2], recv.shape[1]
-    offset = 0
-    for i in idx:
-        h_l, d = tensors[i].shape[2], tensors[i].shape[3]
-        out[i] = (
-            recv[..., offset : offset + h_l * d]
-            .unflatten(-1, (h_l, d))
-            .permute(2, 1, 0, 3, 4)
-            .reshape(b, s_l, world * h_l, d)
-        )
-        offset += h_l * d
-
-
-def _heads_to_seq_impl(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, sizes: Sequence[Sizes]
-) -> list[torch.Tensor]:
-    """``[B, S, H_l, D] -> [B, S_l, H_l * P, D]`` for each tensor; the exact inverse of ``_seq_to_heads_impl``,
-    one collective per dtype.
-
-    Destination ``p`` gets rows ``[offset_p, offset_p + sizes[p])``; from every source arrive this rank's
-    ``S_l`` rows (of the source's heads): equal receive splits.
-    """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    by_dtype: dict[tuple, dict[tuple, list[int]]] = {}
-    for key, idx in _buckets(tensors, sizes).items():
-        by_dtype.setdefault(key[3:], {})[key] = idx
-    for (dtype, device), buckets in by_dtype.items():
-        if len(buckets) == 1:
-            (((b, s, uneven, _, _), idx),) = buckets.items()
-            s_l = s // world if uneven is None else uneven[rank]
-            width = sum(tensors[i].shape[2] * tensors[i].shape[3] for i in idx)
-            if len(idx) == 1 and tensors[idx[0]].transpose(0, 1).is_contiguous():
-                # SDPA writes its output in the query's layout, and the queries came out of seq_to_heads as
-                # [S, B, H_l, D] in memory: that already is the send layout [S, B, W] (destination rows in
-                # rank order), so no pack copy.
-                send = tensors[idx[0]].transpose(0, 1).reshape(s, b, width)
-            else:
-                send = _send_buffer((s, b, width), dtype, device)
-                _pack_rows(send, tensors, idx)
-            recv = torch.empty((world, s_l, b, width), dtype=dtype, device=device)
-            if uneven is None:
-                dist.all_to_all_single(recv, send.view(world, s_l, b, width), group=group)
-            else:
-                dist.all_to_all_single(
-                    recv.view(world * s_l, b, width), send, [s_l] * world, list(uneven), group=group
-                )
-            _unpack_seq(recv, tensors, idx, world, out)
-            continue
-        # several lengths: the block for destination p holds its rows of bucket 0, then of bucket 1, ...
-        shapes = []  # (idx, b, every rank's length, width)
-        for (b, s, uneven, _, _), idx in buckets.items():
-            width = sum(tensors[i].shape[2] * tensors[i].shape[3] for i in idx)
-            shapes.append((idx, b, list(uneven) if uneven is not None else [s // world] * world, width))
-        to_dest = [sum(b * n[p] * w for _, b, n, w in shapes) for p in range(world)]
-        send = _send_buffer((sum(to_dest),), dtype, device)
-        blocks = send.split(to_dest)
-        starts = [0] * world
-        for idx, b, n, w in shapes:
-            rows = torch.empty((sum(n), b, w), dtype=dtype, device=device)
-            _pack_rows(rows, tensors, idx)
-            for p, part in enumerate(rows.split(n)):
-                blocks[p][starts[p] : starts[p] + part.numel()].view_as(part).copy_(part)
-                starts[p] += part.numel()
-        block = sum(b * n[rank] * w for _, b, n, w in shapes)
-        recv = torch.empty((world, block), dtype=dtype, device=device)
-        dist.all_to_all_single(recv.view(-1), send, [block] * world, to_dest, group=group)
-        offset = 0
-        for idx, b, n, w in shapes:
-            piece = recv[:, offset : offset + b * n[rank] * w].view(world, n[rank], b, w)
-            _unpack_seq(piece, tensors, idx, world, out)
-            offset += b * n[rank] * w
-    return out  # type: ignore[return-value]
 
 
 def _exchange_grads(ctx, grads: Sequence[torch.Tensor], impl) -> tuple:

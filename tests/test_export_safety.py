@@ -157,7 +157,7 @@ def test_an_interrupted_export_leaves_the_previous_one_intact(capsys, runs, tmp_
 
 
 def test_without_an_atomic_exchange_a_death_between_the_renames_is_repaired(capsys, runs, tmp_path, monkeypatch):
-    from sp_diffusers.flowgrpo import export_folder
+    from sp_diffusers.flowgrpo.io import export_folder
 
     monkeypatch.setattr(export_folder, "_exchange", lambda a, b: False)  # a system without renameat2
     out = tmp_path / "export"
@@ -224,7 +224,7 @@ def test_link_is_asked_for_said_and_read_only(capsys, runs, tmp_path):
 
 
 def test_an_export_racing_another_writer_keeps_what_is_there(capsys, runs, tmp_path, monkeypatch):
-    from sp_diffusers.flowgrpo import export
+    from sp_diffusers.flowgrpo.io import export
 
     out = tmp_path / "export"
     write = export._write

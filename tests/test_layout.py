@@ -16,6 +16,7 @@ FLOORS = {
     "sp_diffusers.devices": 0,
     "sp_diffusers.ledger": 0,
     "sp_diffusers.comm": 0,
+    "sp_diffusers.exchange": 0,
     "sp_diffusers.ring": 0,
     "sp_diffusers.cp_groups": 0,
     "sp_diffusers.padding": 0,

@@ -76,10 +76,10 @@ def test_eval_and_sample_keys_are_checked():
         validate(c)
 
 
-def test_media_png_grid_and_gif_without_a_video_writer(tmp_path, monkeypatch):
+def test_media_png_grid_mp4_that_opens_and_gif_without_a_video_writer(tmp_path, monkeypatch):
     from PIL import Image
 
-    from sp_diffusers.flowgrpo import media
+    from sp_diffusers.flowgrpo.io import media
     from sp_diffusers.flowgrpo.io.evaluate import latent_preview
     from sp_diffusers.flowgrpo.models.adapters import QwenImageAdapter, WanAdapter
 
@@ -89,6 +89,17 @@ def test_media_png_grid_and_gif_without_a_video_writer(tmp_path, monkeypatch):
     one = media.save_image(images[0], tmp_path / "one.png")
     back = torch.as_tensor(np.array(Image.open(one))).permute(2, 0, 1).float() / 255
     assert (back - images[0]).abs().max() <= 0.5 / 255 + 1e-6  # uint8 rounding only
+    # MP4 through imageio-ffmpeg ([train]): a video that opens again with its frames and, through H.264's 4:2:0
+    # chroma and quantisation, about its colours (flat tiles: the codec keeps their mean within a few levels)
+    assert media.has_video_writer()
+    flat = torch.rand(1, 5, 3, 1, 1).expand(1, 5, 3, 16, 16).clone()
+    mp4 = media.save_pixels(flat, tmp_path / "video")
+    import imageio.v3 as iio
+
+    frames = iio.imread(mp4)
+    assert mp4.suffix == ".mp4" and frames.shape == (5, 16, 16, 3)
+    means = torch.as_tensor(frames).float().mean(dim=(1, 2)) / 255
+    assert (means - flat[0, :, :, 0, 0]).abs().max() <= 0.06, (means, flat[0, :, :, 0, 0])
     monkeypatch.setattr(media, "has_video_writer", lambda: False)
     gif = media.save_pixels(torch.rand(2, 5, 3, 8, 8), tmp_path / "video")
     assert gif.suffix == ".gif" and Image.open(gif).n_frames == 5

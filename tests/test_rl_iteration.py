@@ -130,3 +130,49 @@ def test_an_update_on_held_weights_is_the_update_and_gathers_once(lora):
         before = per_block["ledger"]
         assert before["train_backward/param_gather"][0] > 0 and before["train_forward/param_gather"][0] > 3
         assert held["ledger"]["train_backward/grad_reduce"] == before["train_backward/grad_reduce"]
+
+
+def test_the_ema_follows_flow_grpo_s_decay_schedule():
+    """flow_grpo's EMAModuleWrapper, re-implemented in fp64: decay min((1 + s) / (10 + s), 0.9), applied when
+    (s + 1) % interval == 0, ema += (1 - decay) (p - ema); the first and last steps of two intervals."""
+    from sp_diffusers.engine.ema import ParameterEMA
+
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    ema = ParameterEMA({"w": p}, decay=0.9, interval=8)
+    ref = torch.zeros(3, dtype=torch.float64)
+    for s in range(20):
+        with torch.no_grad():
+            p.add_(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
+        ema.step(s)
+        if (s + 1) % 8 == 0:
+            ref = ref + (1 - min((1 + s) / (10 + s), 0.9)) * (p.detach() - ref)
+        assert torch.equal(ema.averages["w"], ref), s
+    assert not torch.equal(ema.averages["w"], p.detach())
+    with ema.swapped():
+        assert torch.equal(p.detach(), ref)
+    assert not torch.equal(p.detach(), ref)  # put back
+
+
+def test_the_ema_is_checkpointed_resumed_and_exported(tmp_path):
+    """flowgrpo.ema at SP 2: the moving average is saved with the checkpoint and resumed exactly, and
+    `sp-diffusers export` writes the average (what the run evaluated), not the last parameters."""
+    from sp_diffusers.flowgrpo.io.export import export_run
+
+    results = run_distributed("tests.workers.iteration_checks:ema_run", 2, str(tmp_path / "run"))
+    for r in results:
+        first, resumed = r["first"], r["resumed"]
+        assert first["step"] == resumed["step"] == 2
+        for name, average in first["averages"].items():
+            assert torch.equal(resumed["averages"][name], average), name
+            assert torch.equal(resumed["params"][name], first["params"][name]), name
+        moved = max((first["averages"][n] - first["params"][n]).abs().max().item() for n in first["params"])
+        assert moved > 1e-4  # the average lags the parameters
+    exported = export_run(tmp_path / "run", tmp_path / "export")
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in exported.transformers["transformer"].glob("*.safetensors"):
+        weights.update(load_file(str(f)))
+    first = results[0]["first"]
+    for name, average in first["averages"].items():
+        assert torch.equal(weights[name].float(), average.float()), name

@@ -72,7 +72,10 @@ def _state(engine: TrainState) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=StateDictOptions())
-    return {"model": model_sd, "optimizer": optim_sd}
+    state = {"model": model_sd, "optimizer": optim_sd}
+    if getattr(engine, "ema", None) is not None:  # the parameters' moving average (engine/ema.py), sharded alike
+        state["ema"] = engine.ema.state_dict()
+    return state
 
 
 def engine_meta(engine: TrainState, step: int) -> CheckpointMeta:
@@ -299,6 +302,8 @@ def load_checkpoint(engine: TrainState, path: str | os.PathLike) -> dict[str, An
         engine.optimizer.state.pop(params[fqn], None)
     engine.lr_scheduler.load_state_dict(trainer["lr_scheduler"])
     engine.global_step = int(trainer["global_step"])
+    if getattr(engine, "ema", None) is not None and not any(k.startswith("ema.") for k in stored):
+        engine.ema.reset()  # a checkpoint written without an average: it starts from the loaded parameters
     rng_file = path / f"rng-rank{engine.layout.rank:05d}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))

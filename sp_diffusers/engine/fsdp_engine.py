@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 
 from ..devices import default_device, fetch_scalars, use_device
-from ..ledger import comm_kind, comm_phase
+from ..ledger import comm_phase
 from ..mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
 from . import gathering, sharding
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
+from .optim import average_replicated_grads, training_state
 from .protocols import EngineLayout
 from .settings import EngineSettings, LoraSettings, OptimSettings
 from .step_agreement import StepError, agree_step, batch_size_of, unpack_loss
@@ -145,21 +146,9 @@ class FSDPEngine:
         if meta:
             materialize_everywhere(model, self.device, s.weights, s.lora, self.control_group)
         self.model = model
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = self.lr_scheduler = None
+        self.trainable, self.optimizer, self.lr_scheduler, self.ema = training_state(model, s)
         if s.frozen:
             model.eval()
-        elif not self.trainable:
-            raise ValueError("the model has no trainable parameters; fix: EngineSettings(frozen=True) for one that is not trained")
-        else:
-            o = s.optim
-            self.optimizer = torch.optim.AdamW(
-                self.trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-            )
-            warmup = max(0, o.warmup_steps)
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-            )
         self.global_step = 0
 
     @property
@@ -227,6 +216,24 @@ class FSDPEngine:
         """Inside: parameters all-gathered once and held over every forward (a rollout) and, with ``backward``, over
         backwards too (an optimizer step's micro-steps); ``engine/gathering.py``."""
         return gathering.held(self.model, backward) if self.sharded else contextlib.nullcontext()
+
+    def ema_step(self) -> None:
+        """Move the parameters' moving average (``ema_decay``) at this optimizer step; nothing without one."""
+        if self.ema is not None:
+            self.ema.step(self.global_step)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Inside: the parameters hold their moving average (evaluation, samples); as they were without one."""
+        if self.ema is None:
+            yield
+            return
+        self.release_params()  # gathered copies would hold the trained values: only shards are swapped
+        with self.ema.swapped():
+            try:
+                yield
+            finally:
+                self.release_params()
 
     def release_params(self) -> None:
         """Only the shards stay: every block and the root's own parameters resharded (``gathering.release``)."""
@@ -321,16 +328,6 @@ class FSDPEngine:
         ``forward_backward``); 1.0 when they are equal."""
         return agree_step(self, None, num_samples)
 
-    def _sync_replicated_grads(self) -> None:
-        if self.sharded or self.layout.world == 1:
-            return
-        with comm_kind("grad_reduce"):
-            for p in self.trainable:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad.div_(self.layout.dp)
-
     def optimizer_step(self, step_scheduler: bool = True) -> dict[str, float]:
         """Clip, step, schedule. A non-finite gradient norm skips the step on every rank (same norm everywhere).
 
@@ -341,7 +338,8 @@ class FSDPEngine:
 
     def _clip_grad_norm(self) -> torch.Tensor:
         with comm_phase("optimizer"):
-            self._sync_replicated_grads()
+            if not self.sharded and self.layout.world > 1:
+                average_replicated_grads(self.trainable, self.layout.dp)
             max_norm = self.optim_settings.max_grad_norm
             norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm if max_norm > 0 else float("inf"))
             return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -77,6 +77,8 @@ class EngineSettings:
             maximum only: any length shards exactly, and a model without a text mask, such as Wan, attends
             to padding, so padding only under SP would change its result).
         device: the compute device (None: ``cuda:LOCAL_RANK`` with a GPU, else the CPU).
+        ema_decay: keep an exponential moving average of the trained parameters with this decay (flow_grpo: 0.9),
+            updated by ``ema_step`` every ``ema_interval`` optimizer steps (``engine/ema.py``); None: none.
         frozen: a model that is not trained (Wan2.2's other expert): sharded like a trained one, its parameters
             stored in the compute dtype, no gradients, no optimizer (forward only).
         weights: where the values of a model built on ``meta`` come from, loaded after sharding so that no rank
@@ -100,6 +102,8 @@ class EngineSettings:
     device: Any = None
     weights: Any = None
     frozen: bool = False
+    ema_decay: float | None = None
+    ema_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.frozen and self.lora is not None:

@@ -78,6 +78,8 @@ def engine_settings(
         activation_checkpointing=p.activation_checkpointing,
         debug_checks=p.debug_checks,
         pad_text_to_degree=p.pad_text_to_degree,
+        ema_decay=config.flowgrpo.ema_decay if config.flowgrpo.ema else None,
+        ema_interval=config.flowgrpo.ema_interval,
     )
 
 

@@ -125,6 +125,11 @@ class FlowGRPOConfig:
     # KL of the two steps, as verl-omni's dance_sde); "flow_grpo" by eta^2 (no dt factor, as flow_grpo's SDE KL)
     dance_kl: str = "verl_omni"
     recompute_old_log_probs: bool = True
+    # an exponential moving average of the trained weights (flow_grpo's train.ema), used for evaluation, sample
+    # grids and export: decay min((1 + s) / (10 + s), ema_decay) at optimizer step s, every ema_interval steps
+    ema: bool = False
+    ema_decay: float = 0.9
+    ema_interval: int = 8
     drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
     guidance_scale: float = 3.5  # FLUX.1-dev's embedded guidance (FluxPipeline's default); models without one ignore it
@@ -340,6 +345,8 @@ def validate(config: TrainConfig) -> None:
         "must be >= 1 (1: no CFG)",
     )
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(0 <= g.ema_decay < 1, "flowgrpo.ema_decay", g.ema_decay, "must be in [0, 1); flow_grpo uses 0.9")
+    _require(g.ema_interval >= 1, "flowgrpo.ema_interval", g.ema_interval, "must be >= 1; flow_grpo uses 8")
     for key, value in (
         ("rollout.gather_params", config.rollout.gather_params),
         ("update.gather_params", config.update.gather_params),

@@ -86,6 +86,7 @@ def policy_update(
                             if isinstance(value, float) or (torch.is_tensor(value) and value.numel() == 1):
                                 sums[key] = sums.get(key, 0.0) + value
                         count += 1
+                    engine.ema_step()  # after every micro-batch, as flow_grpo steps its EMA
             optim_metrics = engine.optimizer_step()  # one read per optimizer step: the gradient norm
     out = fetch_scalars({k: v / max(1, count) for k, v in sums.items()})  # and one for the update's metrics
     out.update(optim_metrics)

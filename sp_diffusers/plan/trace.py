@@ -112,20 +112,20 @@ def build_model(spec: ModelSpec, counts: dict[str, int]) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _target_habits(target: str):
-    """On a GPU, ``comm`` allocates each send buffer anew (CUDA's allocator recycles it); on CPU it keeps one.
+    """On a GPU, ``exchange`` allocates each send buffer anew (CUDA's allocator recycles it); on CPU it keeps one.
     The fake tensors live on CPU, so a GPU plan switches the CPU cache off. Either way the cache is emptied
     after the run, so no fake tensor outlives it."""
-    from .. import comm
+    from .. import exchange
 
-    original = getattr(comm, "_send_buffer", None)  # None: a comm without the CPU cache, nothing to switch
-    release = getattr(comm, "release_buffers", lambda: None)
+    original = getattr(exchange, "_send_buffer", None)  # None: no CPU cache, nothing to switch
+    release = getattr(exchange, "release_buffers", lambda: None)
     if target == "cuda" and original is not None:
-        comm._send_buffer = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
+        exchange._send_buffer = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
     try:
         yield
     finally:
         if original is not None:
-            comm._send_buffer = original
+            exchange._send_buffer = original
         release()
 
 

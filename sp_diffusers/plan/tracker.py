@@ -282,6 +282,11 @@ class _PlaceRecorder:
             return
         tensors = _tensors(args[1] if name in _INPUT_SECOND else args[0])
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        sent = nbytes * factor(size)
+        if name == "alltoall_base_" and len(args) > 4 and args[4]:
+            # split sizes given (input_split_sizes, in rows of dim 0): all but this rank's own block leaves it
+            # (sp_diffusers.exchange leaves the own block out of the collective where it can)
+            sent = nbytes - int(args[4][group.rank()]) * (nbytes // max(1, int(tensors[0].shape[0])))
         # FSDP's own collectives, as FSDPMemTracker tells them apart: all-gathers before a forward or backward,
         # reduce-scatters after a backward; the rest move activations (SP) or a few scalars (other)
         state = str(getattr(self, "_fsdp_state", ""))
@@ -289,7 +294,7 @@ class _PlaceRecorder:
             name in ("_reduce_scatter_base_", "allreduce_") and "POST_BW" in state  # HSDP: all-reduce across
         )
         kind = "fsdp" if fsdp else "sp" if name in _SP_OPS else "other"
-        self.comm[(kind, _span(group, size))] += nbytes * factor(size)
+        self.comm[(kind, _span(group, size))] += sent
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # a fake tensor's device query is dispatched as an op (prim.device), from C++, thousands of times a step;

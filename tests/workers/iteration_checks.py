@@ -183,3 +183,32 @@ def update_modes(rank: int, world: int, sp: int, lora: bool) -> dict:
             "held": trainer._update_gather,
         }
     return out
+
+
+def ema_run(rank: int, world: int, out_dir: str) -> dict:
+    """Two iterations with flowgrpo.ema (updated every optimizer step), saved; then a new trainer resuming from that
+    checkpoint. Returns the averages and the parameters (full tensors) of both."""
+    from tests.workers.engine_steps import _full
+
+    _quiet()
+
+    def config():
+        c = _config(world, False, out_dir)
+        c.flowgrpo.ema, c.flowgrpo.ema_interval = True, 1
+        c.train.iterations, c.train.save_every = 2, 0
+        c.optim.lr = 1e-2  # steps that move the parameters well past fp32 rounding
+        return c
+
+    def state(trainer):
+        ema = trainer.engine.ema
+        return {
+            "averages": {n: _full(t) for n, t in ema.averages.items()},
+            "params": {n: _full(p) for n, p in trainer.engine.model.named_parameters() if p.requires_grad},
+            "step": trainer.engine.global_step,
+        }
+
+    first = _trainer(config())
+    first.run()
+    resumed = _trainer(config())
+    resumed.run()  # nothing left to train: it loads the checkpoint and stops
+    return {"first": state(first), "resumed": state(resumed)}

@@ -113,7 +113,8 @@ class Evaluator:
         valid = len(mine)
         mine += [mine[-1] if mine else 0] * (per - valid)  # repeats keep every rank's forwards in step
         rows = [self.eval_rows[i] for i in mine]
-        final, _ = self.render(rows, mine)
+        with t.engine.ema_weights():  # the moving average where flowgrpo.ema keeps one
+            final, _ = self.render(rows, mine)
         batch = {"prompts": [r.prompt for r in rows], "metadata": [r.metadata for r in rows]}
         total, parts = t.score(final, batch)
         table = torch.stack([total, *parts.values(), torch.arange(per) < valid], dim=1).float()
@@ -128,7 +129,8 @@ class Evaluator:
         """Render the sample prompts (every rank, the same work) and write the grid on rank 0; its path there."""
         t = self.t
         count = min(t.config.train.sample_count, len(self.sample_rows))
-        final, _ = self.render(self.sample_rows[:count], list(range(count)))
+        with t.engine.ema_weights():
+            final, _ = self.render(self.sample_rows[:count], list(range(count)))
         if t.rank != 0:
             return None
         decoder = getattr(t, "decoder", None)

@@ -16,7 +16,9 @@ From the newest checkpoint of a run (or ``step``), written on any layout (DCP re
 The folder is written beside ``DIR`` and renamed into place at the end (``export_folder.py``): an export at ``DIR``
 is replaced only with ``force``, and only whole; a folder that is not an export is never written into.
 
-Only the model part of the checkpoint is read (no optimizer state), into a model built as the run built it.
+Only the model part of the checkpoint is read (no optimizer state), into a model built as the run built it; where
+the run kept a moving average of its weights (``flowgrpo.ema``), that average is what is exported, as flow_grpo
+saves its EMA weights.
 """
 
 from __future__ import annotations
@@ -118,8 +120,16 @@ def _load_trained(config: TrainConfig, name: str, path: Path) -> torch.nn.Module
             "describes; fix: export the run folder the checkpoint belongs to"
         )
     state = {"model": get_model_state_dict(model)}
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if any(k.startswith("ema.") for k in stored):  # flowgrpo.ema: the moving average is what the run evaluated
+        state["ema"] = {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}
     dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     set_model_state_dict(model, state["model"])
+    if "ema" in state:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in state["ema"]:
+                    p.copy_(state["ema"][n])
     return model
 
 

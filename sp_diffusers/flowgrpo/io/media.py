@@ -1,5 +1,6 @@
-"""Writing what a model makes: images as PNG (one, or a grid), videos as MP4, or as GIF when no video writer is
-installed (MP4 goes through diffusers' ``export_to_video``, which needs ``pip install imageio imageio-ffmpeg``).
+"""Writing what a model makes: images as PNG (one, or a grid), videos as MP4 (H.264 through diffusers'
+``export_to_video``: imageio and imageio-ffmpeg, which ships its own ffmpeg, both in the ``[train]`` extra), or as
+GIF where no video writer is installed.
 
 Pixels are float tensors in [0, 1]: ``[3, H, W]`` / ``[n, 3, H, W]`` for images, ``[F, 3, H, W]`` / ``[n, F, 3, H, W]``
 for videos; several are tiled into one grid (a video grid tiles every frame).

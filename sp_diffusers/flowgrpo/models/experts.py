@@ -71,6 +71,17 @@ class ExpertEngines:
                 stack.enter_context(e.gathered_params(backward))
             yield
 
+    def ema_step(self) -> None:
+        for e in self.trained.values():
+            e.ema_step()
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for e in self.trained.values():
+                stack.enter_context(e.ema_weights())
+            yield
+
     def zero_grad(self) -> None:
         for e in self.trained.values():
             e.zero_grad()
