@@ -365,7 +365,7 @@ def test_video_reward_separates_the_cases():
         ("sde_type", "ode", r"flowgrpo\.sde_type='ode'.*'cps'"),
         ("schedule", "karras", r"flowgrpo\.schedule='karras'.*auto, pipeline, linspace"),
         ("noise_level", 1.2, r"flowgrpo\.noise_level=1\.2 must be < 1 with sde_type=cps"),
-        ("timestep_fraction", 0.0, r"flowgrpo\.timestep_fraction=0\.0 must be in \(0, 1\]"),
+        ("timestep_fraction", 1.5, r"flowgrpo\.timestep_fraction=1\.5 must be in \(0, 1\]"),
     ],
 )
 def test_bad_algorithm_keys_are_named(key, value, words):

@@ -1,5 +1,7 @@
 """One iteration's data: the rollout and its recomputed old log-probs on weights gathered once
 (``rollout.gather_params``), then the rewards and the group-relative advantages (``trainer.py`` runs the loop).
+Where the algorithm's loss reads the old policy's step means (``Algorithm.keeps_old_means``), they come from
+where the old log-probs come from: their recomputation, or the rollout itself (``traj.old_means``).
 
 The functions take the trainer (``t``): its engine, adapter, schedule, step rule, config and rewards.
 """
@@ -18,26 +20,31 @@ from .models.experts import route
 from .sampling.guidance import WeightHolder
 from .sampling.rollout import Trajectory, evaluate_window_step, rollout
 
-__all__ = ["collect", "gather_dp", "recompute_log_probs", "reward_phase", "rollout_phase"]
+__all__ = ["collect", "gather_dp", "recompute_log_probs", "recompute_old_policy", "reward_phase", "rollout_phase"]
 
 
 def collect(t: Any, batch: dict[str, Any]) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Rollout, old log-probs ``[B, T]`` (both on weights gathered once: ``rollout.gather_params``), then
     rewards and advantages ``[B]``, for a prepared batch."""
+    means = t.algorithm.keeps_old_means()
+    recompute = t.config.flowgrpo.recompute_old_log_probs
     with t.engine.eval_mode(), t.weight_holder() as hold:
-        traj = rollout_phase(t, batch, hold)
+        traj = rollout_phase(t, batch, hold, keep_means=means and not recompute)
         old_log_probs = traj.rollout_log_probs()
-        if t.config.flowgrpo.recompute_old_log_probs and t.algorithm.uses_log_probs:
+        if means and not recompute:
+            traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
+        if recompute and t.algorithm.uses_log_probs:
             with comm_phase("old_log_probs"):
-                old_log_probs = recompute_log_probs(t, batch, traj, hold)
+                old_log_probs, old_means = recompute_old_policy(t, batch, traj, hold, means)
+            traj.old_means = old_means
     with t.engine.eval_mode(), comm_phase("reward"):
         advantages, stats = reward_phase(t, batch, traj)
     return traj, advantages, old_log_probs.detach(), stats
 
 
-def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajectory:
+def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder, keep_means: bool = False) -> Trajectory:
     """The rollout of a prepared batch (SDE span, the algorithm's ODE solver elsewhere) by the algorithm's rollout
-    policy, each step's engine through ``hold``."""
+    policy, each step's engine through ``hold``; ``keep_means``: the span's step means stored too."""
     g, algorithm = t.config.flowgrpo, t.algorithm
     with comm_phase("rollout"):
         traj = rollout(
@@ -54,8 +61,10 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajecto
             cfg_batch=t.config.rollout.cfg_batch,
             hold=hold,
             solver=algorithm.ode_solver(),
+            keep_means=keep_means,
         )
-    traj.train_steps, traj.host_steps = batch.get("train_steps"), batch.get("train_steps_host")
+    if "train_steps" in batch:  # the algorithm's choice of steps (else the span's own: its window, per sample or not)
+        traj.train_steps, traj.host_steps = batch["train_steps"], batch.get("train_steps_host")
     algorithm.store(traj, batch)
     if t.engine.debug_checks:
         t.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
@@ -64,25 +73,33 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajecto
 
 def recompute_log_probs(t: Any, batch: dict[str, Any], traj: Trajectory, hold: WeightHolder) -> torch.Tensor:
     """``[B, T]``: each trained step's log-prob under the current policy, as training will evaluate it."""
+    return recompute_old_policy(t, batch, traj, hold, means=False)[0]
+
+
+def recompute_old_policy(
+    t: Any, batch: dict[str, Any], traj: Trajectory, hold: WeightHolder, means: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([B, T], [B, T, ...] or None)``: each trained step's log-prob under the current policy, as training will
+    evaluate it, and (``means``) its step mean."""
     everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
     cond = t._cond(batch)
-    return torch.stack(
-        [
-            evaluate_window_step(
-                hold(route(t.engine, traj.host_step(k))),
-                t.adapter,
-                *traj.step_latents(everyone, k)[1:],
-                t.schedule,
-                traj.steps()[:, k],
-                cond,
-                t.rule,
-                t.config.flowgrpo.cfg_scale,
-                t.config.rollout.cfg_batch,
-            ).log_prob
-            for k in range(traj.steps().shape[1])
-        ],
-        dim=1,
-    )
+    log_probs, step_means = [], []
+    for k in range(traj.steps().shape[1]):
+        step = evaluate_window_step(
+            hold(route(t.engine, traj.host_step(k))),
+            t.adapter,
+            *traj.step_latents(everyone, k)[1:],
+            t.schedule,
+            traj.steps()[:, k],
+            cond,
+            t.rule,
+            t.config.flowgrpo.cfg_scale,
+            t.config.rollout.cfg_batch,
+        )
+        log_probs.append(step.log_prob)
+        if means:  # kept only when asked: T x the latents otherwise
+            step_means.append(step.prev_sample_mean)
+    return torch.stack(log_probs, dim=1), torch.stack(step_means, dim=1) if means else None
 
 
 def reward_phase(t: Any, batch: dict[str, Any], traj: Trajectory) -> tuple[torch.Tensor, dict[str, float]]:

@@ -109,7 +109,9 @@ class FlowGRPOConfig:
     shift: float = 0.0  # time shift: pipeline schedule: replaces the scheduler's static shift (0: keep it); linspace: required
     window_size: int = 2  # flow_grpo: SDE steps per rollout (the rest is ODE)
     window_range: list = field(default_factory=lambda: [0, 4])  # flow_grpo: window start drawn from [lo, hi)
-    timestep_fraction: float = 0.6  # dance_grpo: trains int((N - 1) * fraction) random steps per sample
+    # the trained fraction of the steps; 0: the algorithm's (dance_grpo 0.6: int((N - 1) * fraction) random steps per
+    # sample; flow_grpo / grpo_guard with sde_steps "all" 0.99: the first int(N * fraction) steps, in order)
+    timestep_fraction: float = 0.0
     noise_level: float = 0.8  # sde: a; cps: a in (0, 1); dance_grpo: eta (DanceGRPO uses 0.3)
     group_size: int = 4  # samples per prompt
     prompts_per_rank: int = 2  # prompts per data-parallel rank per iteration
@@ -143,6 +145,15 @@ class FlowGRPOConfig:
     nft_decay: str = "linear_to_0_5"
     nft_timestep_fraction: float = 0.99
     nft_solver: str = "dpm2"
+    # flow_grpo / grpo_guard (Flow-GRPO arXiv 2505.05470, its Fast variant; GRPO-Guard arXiv 2510.22319):
+    # which rollout steps are SDE: "window" (window_size of them, ODE elsewhere; every window step trained), "all"
+    # (every step; the first int(N * timestep_fraction) trained), "auto" (window for flow_grpo, all for grpo_guard)
+    sde_steps: str = "auto"
+    per_sample_windows: bool = False  # "window": each sample its own start in window_range (verl-omni's)
+    ratio_norm: bool = True  # grpo_guard: RatioNorm and the 1 / mean(sqrt(-dt))^2 reweighting (false: the plain ratio)
+    # grpo_guard: the ratio's mean-drift bias per sample ("sample", verl-omni) or its micro-batch mean ("batch", as
+    # flow_grpo's script computes it)
+    guard_bias: str = "sample"
 
 
 @dataclass

@@ -11,10 +11,11 @@ reward I/O call these methods and never name an algorithm:
     lifecycle    ``attach``: once the engine is built, and again after a checkpoint is loaded (state the algorithm keeps
                  beside the trained model, such as DiffusionNFT's old policy); ``after_update``: after an
                  iteration's optimizer steps
-    rollout      ``span`` (which steps are stochastic; the rest are ODE), ``ode_solver`` (the solver of the rest:
-                 Euler unless it says otherwise), ``rollout_engine`` (the policy that samples), ``store`` (what
-                 the update reads beyond the span, kept on the trajectory) and ``final_is_prediction`` (the
-                 reward reads the last predicted data, not the last latent)
+    rollout      ``span`` (which steps are stochastic, for every sample or per sample; the rest are ODE),
+                 ``ode_solver`` (the solver of the rest: Euler unless it says otherwise), ``rollout_engine`` (the
+                 policy that samples), ``store`` (what the update reads beyond the span, kept on the trajectory),
+                 ``final_is_prediction`` (the reward reads the last predicted data, not the last latent) and
+                 ``keeps_old_means`` (the old policy's step means are stored beside its log-probs: ``traj.old_means``)
     advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``drops_zero_advantage``
     update       ``step_loss``: the loss of one trained step of some samples from the stored rollout and the current
                  policy, in the form ``FSDPEngine.forward_backward`` takes, with its metrics; ``uses_log_probs``:
@@ -57,6 +58,7 @@ class Algorithm:
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
     uses_log_probs: ClassVar[bool] = True  # a ratio to the rollout's log-probs (False: none stored, none recomputed)
+    default_timestep_fraction: ClassVar[float] = 0.99  # flowgrpo.timestep_fraction: 0 -> this (the reference's)
 
     def __init__(self, config: TrainConfig) -> None:
         self.config, self.g = config, config.flowgrpo
@@ -65,6 +67,11 @@ class Algorithm:
     @classmethod
     def check(cls, config: TrainConfig) -> None:
         """Refuse this algorithm's keys where they cannot train (``ConfigError`` naming the key and the fix)."""
+
+    @classmethod
+    def timestep_fraction(cls, config: TrainConfig) -> float:
+        """``flowgrpo.timestep_fraction``, or this algorithm's reference value where it is left at 0."""
+        return config.flowgrpo.timestep_fraction or cls.default_timestep_fraction
 
     def step_rule(self) -> StepRule:
         return StepRule(self.g.sde_type, self.g.noise_level)
@@ -91,8 +98,9 @@ class Algorithm:
         return {}
 
     # ----------------------------------------------------------------------------------------- rollout
-    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int, int]:
-        """``(start, size)``: the rollout's stochastic steps (their latents and log-probs are stored)."""
+    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int | list[int], int]:
+        """``(start, size)``: the rollout's stochastic steps (their latents and log-probs are stored); ``start`` a
+        host list of one start per sample when each sample has its own window (``sampling/rollout.py``)."""
         return int(batch["window_start"]), self.g.window_size
 
     def ode_solver(self) -> Any:
@@ -111,6 +119,11 @@ class Algorithm:
         """Whether samples of advantage 0 are left out of the update (``flowgrpo.drop_zero_advantage``: with a
         ratio objective their gradient is 0)."""
         return self.g.drop_zero_advantage
+
+    def keeps_old_means(self) -> bool:
+        """Whether the loss reads the old policy's step means (``traj.old_means`` ``[B, T, ...]``, beside the old
+        log-probs: from their recomputation, or stored by the rollout when they are not recomputed)."""
+        return False
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

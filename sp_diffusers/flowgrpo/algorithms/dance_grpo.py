@@ -23,6 +23,7 @@ class DanceGRPO(Algorithm):
     name = "dance_grpo"
     schedule_kind = "linspace"
     final_is_prediction = True
+    default_timestep_fraction = 0.6  # DanceGRPO's scripts
 
     @classmethod
     def check(cls, config: TrainConfig) -> None:
@@ -37,13 +38,14 @@ class DanceGRPO(Algorithm):
                 f"flowgrpo.dance_kl={g.dance_kl!r}: choose 'verl_omni' (KL / (eta^2 (sigma - sigma')), the Gaussian KL "
                 "of the step) or 'flow_grpo' (KL / eta^2, no dt factor)"
             )
-        if not (0 < g.timestep_fraction <= 1):
+        if not (0 <= g.timestep_fraction <= 1):
             raise ConfigError(
-                f"flowgrpo.timestep_fraction={g.timestep_fraction!r} must be in (0, 1]; DanceGRPO's scripts use 0.6"
+                f"flowgrpo.timestep_fraction={g.timestep_fraction!r} must be in (0, 1] (0: DanceGRPO's 0.6)"
             )
-        if int((g.num_steps - 1) * g.timestep_fraction) < 1:
+        fraction = cls.timestep_fraction(config)
+        if int((g.num_steps - 1) * fraction) < 1:
             raise ConfigError(
-                f"flowgrpo.timestep_fraction={g.timestep_fraction} x (num_steps - 1 = {g.num_steps - 1}) trains no "
+                f"flowgrpo.timestep_fraction={fraction} x (num_steps - 1 = {g.num_steps - 1}) trains no "
                 "step; fix: raise flowgrpo.timestep_fraction or flowgrpo.num_steps"
             )
 
@@ -51,7 +53,7 @@ class DanceGRPO(Algorithm):
         return StepRule("dance", self.g.noise_level)
 
     def _count(self) -> int:
-        return int((self.g.num_steps - 1) * self.g.timestep_fraction)
+        return int((self.g.num_steps - 1) * self.timestep_fraction(self.config))
 
     def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
         # each sample its own random subset (without replacement) of steps 0..N-2

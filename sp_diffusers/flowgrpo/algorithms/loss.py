@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flowgrpo_loss"]
+__all__ = ["flowgrpo_loss", "reference_kl"]
 
 
 def _check_batch_vector(t: torch.Tensor, name: str, batch: int) -> None:
@@ -61,6 +61,16 @@ def _kl_term(
     sq = (prev_sample_mean.to(dtype) - ref_prev_sample_mean.detach().to(dtype)) ** 2
     per_sample = sq.mean(dim=tuple(range(1, sq.ndim))) / (2.0 * std**2)
     return per_sample.mean()
+
+
+def reference_kl(
+    prev_sample_mean: torch.Tensor,
+    ref_prev_sample_mean: torch.Tensor,
+    std_dev_t: torch.Tensor | float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The KL term of :func:`flowgrpo_loss` alone (0-d): ``mean_b(mean((mean - mean_ref)^2) / (2 std_dev_t_b^2))``."""
+    return _kl_term(prev_sample_mean, ref_prev_sample_mean, std_dev_t, prev_sample_mean.shape[0], dtype)
 
 
 def flowgrpo_loss(

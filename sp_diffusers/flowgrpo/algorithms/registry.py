@@ -7,10 +7,11 @@ from .base import Algorithm
 from .dance_grpo import DanceGRPO
 from .diffusion_nft import DiffusionNFT
 from .flow_grpo import FlowGRPO
+from .grpo_guard import GRPOGuard
 
 __all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO, DiffusionNFT)}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, DiffusionNFT)}
 
 
 def algorithm_class(config: TrainConfig) -> type[Algorithm]:

@@ -4,7 +4,14 @@ Steps outside the span ``[start, start + S)`` are deterministic ODE steps; the S
 (:class:`~sp_diffusers.flowgrpo.sampling.sde.StepRule`) whose log-probs make the policy. FlowGRPO's span is its window
 (S = W, at a random start); DanceGRPO's is every step (S = N). Stored per sample: ``latents [B, S+1, ...]`` (the
 span's inputs and outputs), ``log_probs [B, S]``, ``train_steps [B, T]`` (the schedule steps each sample trains
-on: the whole window for FlowGRPO, a random subset per sample for DanceGRPO) and ``final`` (the reward input).
+on: the whole window for FlowGRPO, a random subset per sample for DanceGRPO) and ``final`` (the reward input);
+on request the span's step means ``means [B, S, ...]`` too (GRPO-Guard's old policy).
+
+Per-sample windows (``start`` a list, one start per sample, as verl-omni's ``sample_per_sample_sde_windows``): at a
+step where some samples are in their window and others not, the SDE step and the ODE step are both computed for
+the batch and each sample takes its own (``torch.where``: bit for bit each step alone), and each sample's window is
+stored at its own positions ``[B, S+1, ...]`` (``Trajectory.starts``). Which samples are where is known on the host
+from the starts; the tables that say so reach the device once per rollout, so no step waits on the device.
 
 Every rank of an SP group calls this with the same batch and the same generator seed, so the noise, the span
 and the latents are identical there; the transformer's Ulysses attention does the rest.
@@ -12,7 +19,7 @@ and the latents are identical there; the transformer's Ulysses attention does th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +41,9 @@ class Trajectory:
     final: torch.Tensor  # [B, ...] the denoised latents (reward input)
     train_steps: torch.Tensor | None = None  # [B, T] schedule steps to train on; None: every span step
     host_steps: list[int] | None = None  # the T trained steps when every sample shares them (two experts)
+    starts: torch.Tensor | None = None  # [B] long: each sample's first span step (per-sample windows); None: window_start
+    means: torch.Tensor | None = None  # [B, S, ...] the rollout's step means, when the rollout was asked to keep them
+    old_means: torch.Tensor | None = None  # [B, T, ...] the old policy's step means at the trained steps (collect.py)
     extras: dict[str, Any] = field(default_factory=dict)  # what the algorithm's update reads beyond the span
 
     def host_step(self, k: int) -> int | None:
@@ -49,20 +59,44 @@ class Trajectory:
         b, s = self.latents.shape[0], self.latents.shape[1] - 1
         return (self.window_start + torch.arange(s, device=self.latents.device)).expand(b, s)
 
+    def _first(self, idx: torch.Tensor | None = None) -> torch.Tensor | int:
+        """The span's first schedule step of samples ``idx`` (all: ``[B, 1]``), or the shared ``window_start``."""
+        if self.starts is None:
+            return self.window_start
+        starts = self.starts.to(self.latents.device)
+        return starts[:, None] if idx is None else starts[idx]
+
     def step_latents(self, idx: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(step indices ``[b]``, latents ``[b, ...]``, next latents ``[b, ...]``) of samples ``idx``' k-th
         trained step."""
         steps = self.steps()[idx, k]
-        pos = steps - self.window_start
+        pos = steps - self._first(idx)
         return steps, self.latents[idx, pos], self.latents[idx, pos + 1]
 
     def rollout_log_probs(self) -> torch.Tensor:
         """``[B, T]``: the rollout's log-prob of each trained step (old log-probs without recomputation); zeros
         for a rollout without stochastic steps (an algorithm without a ratio reads none)."""
-        pos = self.steps() - self.window_start
+        pos = self.steps() - self._first()
         if self.log_probs.shape[1] == 0:
             return torch.zeros(pos.shape, device=pos.device)
         return torch.gather(self.log_probs.to(pos.device), 1, pos)
+
+    def old_step_means(self, idx: torch.Tensor, k: int) -> torch.Tensor:
+        """``[b, ...]``: the old policy's step mean at samples ``idx``' k-th trained step (``old_means``)."""
+        if self.old_means is None:
+            raise ValueError(
+                "Trajectory.old_means is not set: the algorithm reads the old policy's step means, which collect.py "
+                "stores when Algorithm.keeps_old_means() says so; fix: return True there"
+            )
+        return self.old_means[idx, k]
+
+    def rollout_means(self) -> torch.Tensor:
+        """``[B, T, ...]``: the rollout's step mean of each trained step (kept by ``rollout(keep_means=True)``)."""
+        if self.means is None:
+            raise ValueError("the rollout kept no step means; fix: rollout(..., keep_means=True)")
+        pos = self.steps() - self._first()
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
+        return self.means[rows, pos]
 
 
 def velocity(
@@ -128,7 +162,7 @@ def rollout(
     cond: dict[str, Any],
     noise: torch.Tensor,
     schedule: Schedule,
-    window_start: int,
+    window_start: int | Sequence[int],
     window_size: int,
     rule: StepRule,
     generator: torch.Generator,
@@ -137,14 +171,25 @@ def rollout(
     cfg_batch: bool = True,
     hold: Callable[[Any], Any] | None = None,
     solver: Any = None,
+    keep_means: bool = False,
 ) -> Trajectory:
     """Denoise ``noise`` from sigma 1 to 0; SDE steps in ``[window_start, window_start + window_size)``.
 
+    ``window_start``: one start for every sample, or a host sequence of one start per sample (module docstring).
     ``final_is_prediction``: the reward reads the last step's predicted data ``x - sigma v`` instead of the
     sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same).
     ``hold``: each step's engine passes through it (``guidance.WeightHolder``: weights gathered once).
     ``solver``: the deterministic steps' solver (``step(x, v, sigmas, i) -> x'``, e.g. ``dpm_solver.DPMSolver2``);
-    None: Euler. A span of size 0 stores no latents and no log-probs (``[B, 0, ...]``, ``[B, 0]``)."""
+    None: Euler. A span of size 0 stores no latents and no log-probs (``[B, 0, ...]``, ``[B, 0]``).
+    ``keep_means``: store the span's step means too (``Trajectory.means``). ``window_start`` a sequence: each
+    sample its own window (per-sample windows; Euler outside them)."""
+    if not isinstance(window_start, int):
+        if solver is not None:
+            raise ValueError("per-sample windows take the Euler step outside the windows; fix: solver=None")
+        return _rollout_per_sample(
+            engine, adapter, cond, noise, schedule, list(window_start), window_size, rule, generator, cfg_scale,
+            final_is_prediction, cfg_batch, hold, keep_means,
+        )  # fmt: skip
     sigmas = schedule.sigmas  # the CPU copy: its numbers are read on the host
     num_steps = schedule.num_steps
     if not 0 <= window_start <= num_steps - window_size:
@@ -156,7 +201,7 @@ def rollout(
     on_device = schedule.on(
         x.device
     ).timesteps  # each step's timestep indexed there, not copied from the host
-    stored, log_probs = [], []
+    stored, log_probs, means = [], [], []
     final = None
     if cfg_scale > 1.0 and cfg_batch:
         cond = {**cond, "cfg_pair": paired(cond)}  # stacked once, read by every step
@@ -172,6 +217,8 @@ def rollout(
             step = rule.step(x, v, sigmas, i, generator=generator)
             x = step.prev_sample
             log_probs.append(step.log_prob)
+            if keep_means:
+                means.append(step.prev_sample_mean)
         elif solver is not None:
             x = solver.step(x, v, sigmas, i)
         else:
@@ -182,5 +229,83 @@ def rollout(
         return Trajectory(x.new_zeros((x.shape[0], 0, *x.shape[1:])), x.new_zeros((x.shape[0], 0)), window_start,
                           x if final is None else final)
     return Trajectory(
-        torch.stack(stored, dim=1), torch.stack(log_probs, dim=1), window_start, x if final is None else final
+        torch.stack(stored, dim=1),
+        torch.stack(log_probs, dim=1),
+        window_start,
+        x if final is None else final,
+        means=torch.stack(means, dim=1) if keep_means and means else None,
     )
+
+
+class _Windows:
+    """Per-sample windows as the device needs them, built on the host from the starts and copied once: the
+    ``[N, B]`` mask of the samples inside their window at each step, and for step i the rows inside and their
+    positions in the window (slices of one packed tensor, cut at host offsets)."""
+
+    def __init__(self, starts: list[int], size: int, num_steps: int, device: torch.device) -> None:
+        inside = [[s <= i < s + size for s in starts] for i in range(num_steps)]
+        rows, pos, self.offsets = [], [], [0]
+        for i in range(num_steps):
+            here = [b for b, yes in enumerate(inside[i]) if yes]
+            rows += here
+            pos += [i - starts[b] for b in here]
+            self.offsets.append(len(rows))
+        self.mask = to_device(torch.tensor(inside), device)
+        packed = to_device(torch.tensor([*rows, *pos], dtype=torch.long), device)
+        self.rows, self.pos = packed[: len(rows)], packed[len(rows) :]
+
+    def count(self, i: int) -> int:
+        return self.offsets[i + 1] - self.offsets[i]
+
+    def at(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cut = slice(self.offsets[i], self.offsets[i + 1])
+        return self.rows[cut], self.pos[cut]
+
+
+def _rollout_per_sample(
+    engine, adapter, cond, noise, schedule, starts, size, rule, generator, cfg_scale, final_is_prediction,
+    cfg_batch, hold, keep_means,
+) -> Trajectory:  # fmt: skip
+    """:func:`rollout` with one window start per sample (``starts``, host ints)."""
+    sigmas, num_steps, b = schedule.sigmas, schedule.num_steps, noise.shape[0]
+    if len(starts) != b or not all(0 <= s <= num_steps - size for s in starts):
+        raise ValueError(
+            f"per-sample window starts {starts} with window_size={size}: need one start per sample ({b}), each in "
+            f"[0, {num_steps - size}]; fix: flowgrpo.window_range within [0, {num_steps - size + 1})"
+        )
+    x = noise.float()
+    on_device = schedule.on(x.device).timesteps
+    windows = _Windows(starts, size, num_steps, x.device)
+    stored = x.new_zeros(b, size + 1, *x.shape[1:])
+    log_probs = x.new_zeros(b, size)
+    means = x.new_zeros(b, size, *x.shape[1:]) if keep_means else None
+    final = None
+    if cfg_scale > 1.0 and cfg_batch:
+        cond = {**cond, "cfg_pair": paired(cond)}
+    for i in range(num_steps):
+        step_engine = engine.for_step(i) if hasattr(engine, "for_step") else engine
+        if hold is not None:
+            step_engine = hold(step_engine)
+        v = velocity(step_engine, adapter, x, on_device[i], cond, cfg_scale, cfg_batch=cfg_batch)
+        if i == num_steps - 1 and final_is_prediction:
+            final = x - float(sigmas[i]) * v
+        ode = None if windows.count(i) == b else ode_step(x, v, float(sigmas[i]), float(sigmas[i + 1]))
+        if windows.count(i) == 0:
+            x = ode
+            continue
+        step = rule.step(x, v, sigmas, i, generator=generator)
+        rows, pos = windows.at(i)
+        inside = windows.mask[i].view(b, *([1] * (x.ndim - 1)))
+        nxt = step.prev_sample if ode is None else torch.where(inside, step.prev_sample, ode)
+        stored.index_put_((rows, pos), x.index_select(0, rows))  # the step's input ...
+        stored.index_put_((rows, pos + 1), nxt.index_select(0, rows))  # ... and output, at the sample's own place
+        log_probs.index_put_((rows, pos), step.log_prob.index_select(0, rows))
+        if means is not None:
+            means.index_put_((rows, pos), step.prev_sample_mean.index_select(0, rows))
+        x = nxt
+    starts_t = to_device(torch.tensor(starts, dtype=torch.long), x.device)
+    steps = starts_t[:, None] + torch.arange(size, device=x.device)
+    return Trajectory(
+        stored, log_probs, min(starts), x if final is None else final, train_steps=steps, starts=starts_t,
+        means=means,
+    )  # fmt: skip
