@@ -52,6 +52,7 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajecto
             final_is_prediction=algorithm.final_is_prediction,
             cfg_batch=t.config.rollout.cfg_batch,
             hold=hold,
+            tail=algorithm.tail(batch, t.schedule),
         )
     traj.train_steps, traj.host_steps = batch.get("train_steps"), batch.get("train_steps_host")
     if t.engine.debug_checks:
@@ -61,6 +62,8 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder) -> Trajecto
 
 def recompute_log_probs(t: Any, batch: dict[str, Any], traj: Trajectory, hold: WeightHolder) -> torch.Tensor:
     """``[B, T]``: each trained step's log-prob under the current policy, as training will evaluate it."""
+    if traj.steps().shape[1] == 0:
+        return traj.rollout_log_probs()  # no trained step (an empty window): [B, 0]
     everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
     cond = t._cond(batch)
     return torch.stack(

@@ -130,6 +130,23 @@ class FlowGRPOConfig:
     # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
     # kwargs, name}]; the total is the weighted sum (reward_loading.py)
     rewards: list = field(default_factory=list)
+    # MixGRPO (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window of mix_window_size SDE
+    # steps whose start moves with training (mix_strategy), Euler ODE before it, Euler or DPM-Solver++ after it
+    mix_window_size: int = 4  # SDE (and trained) steps per rollout; the window ends before step num_steps - 2
+    mix_strategy: str = "progressive"  # progressive, random, decay, exp_decay: how the window's start moves
+    mix_iters_per_group: int = 25  # iterations between two moves (progressive; exp_decay before its threshold)
+    mix_prog_overlap: bool = False  # move by mix_prog_overlap_step instead of by mix_window_size
+    mix_prog_overlap_step: int = 1  # (the released FLUX script: 1; MixGRPO-Flash*: 0, a window that stays at 0)
+    mix_roll_back: bool = False  # past step num_steps - 2: back to step 0 (true) or stay at the end (false)
+    mix_max_iters_per_group: int = 10  # decay: iterations per move at step 0, falling linearly ...
+    mix_min_iters_per_group: int = 1  # ... to this at step num_steps - 2
+    mix_exp_decay_threshold: int = 13  # exp_decay: iterations per move fall as exp(-k (start - threshold)) past it
+    mix_exp_decay_k: float = 0.1
+    mix_tail_solver: str = "euler"  # after the window: "euler", or "dpmsolver++" (multistep, order 2), fewer steps
+    mix_tail_compress_ratio: float = 0.4  # dpmsolver++: int((num_steps - last window step) * ratio) tail points
+    mix_dpm_solver_type: str = "midpoint"  # dpmsolver++'s second-order form: midpoint or heun
+    mix_kl_coef: float = 0.01  # 0.5 mean((log_prob - old_log_prob)^2) per trained step (the reference's kl_loss)
+    mix_same_noise: bool = False  # the samples of a prompt start from one noise (the reference's init_same_noise)
 
 
 @dataclass

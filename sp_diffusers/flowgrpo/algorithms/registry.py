@@ -6,10 +6,11 @@ from ..config import ConfigError, TrainConfig
 from .base import Algorithm
 from .dance_grpo import DanceGRPO
 from .flow_grpo import FlowGRPO
+from .mix_grpo import MixGRPO
 
 __all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO)}
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO, MixGRPO)}
 
 
 def algorithm_class(config: TrainConfig) -> type[Algorithm]:
