@@ -490,3 +490,20 @@ def test_bad_mix_keys_are_named(keys, words):
     c = _mix_config(**keys)
     with pytest.raises(ConfigError, match=words):
         check_algorithm(c)
+
+
+def test_the_rollout_with_a_tail_reads_no_tensor_back():
+    """The hot path: the window, the Euler steps and the DPM tail read no device tensor on the host (the schedule's
+    and the tail's numbers come from their CPU copies). On the ``meta`` device every such read raises, as a host
+    sync would cost on an accelerator."""
+    n = 12
+    model = _Model(4).to("meta")
+    noise = torch.randn(2, 6, 4).to("meta")
+    tail = compressed_tail(n, 3.0, 3, 0.7)
+    with torch.no_grad():
+        traj = rollout(
+            _Engine(model), _Adapter(), _COND, noise, linspace_schedule(n, 3.0), 2, 2, StepRule("sde", 0.7),
+            torch.Generator().manual_seed(0), tail=tail,
+        )  # fmt: skip
+    assert traj.final.device.type == "meta" and traj.latents.shape == (2, 3, 6, 4) and traj.log_probs.shape == (2, 2)
+    assert model.calls == 4 + tail.num_steps
