@@ -62,6 +62,7 @@ def rollout_phase(t: Any, batch: dict[str, Any], hold: WeightHolder, keep_means:
             hold=hold,
             solver=algorithm.ode_solver(),
             keep_means=keep_means,
+            tail=algorithm.tail(batch, t.schedule),
         )
     if "train_steps" in batch:  # the algorithm's choice of steps (else the span's own: its window, per sample or not)
         traj.train_steps, traj.host_steps = batch["train_steps"], batch.get("train_steps_host")
@@ -81,6 +82,8 @@ def recompute_old_policy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([B, T], [B, T, ...] or None)``: each trained step's log-prob under the current policy, as training will
     evaluate it, and (``means``) its step mean."""
+    if traj.steps().shape[1] == 0:
+        return traj.rollout_log_probs(), None  # no trained step (an empty window): [B, 0]
     everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
     cond = t._cond(batch)
     log_probs, step_means = [], []

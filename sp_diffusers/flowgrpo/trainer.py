@@ -172,6 +172,9 @@ class FlowGRPOTrainer:
             "latents": torch.randn(self.adapter.latent_shape(len(prompts)), generator=gen),
         }
         self.algorithm.plan(batch, gen)  # its window, its trained steps (algorithms/)
+        # what moves with training (MixGRPO's window): seeded by the iteration alone, the same on every rank
+        shared = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, 0x31))
+        self.algorithm.plan_iteration(batch, iteration, shared)
         batch["sde_seed"] = int(torch.randint(2**62, (1,), generator=gen))
         batch["shuffle_seed"] = int(torch.randint(2**62, (1,), generator=gen))
         if g.cfg_scale > 1.0:
@@ -265,6 +268,7 @@ class FlowGRPOTrainer:
         metrics = self.update(batch, traj, advantages, old_log_probs)
         metrics.update(self.algorithm.after_update(self.engine))  # e.g. DiffusionNFT's old-policy decay
         metrics.update(stats)
+        metrics.update(self.algorithm.iteration_metrics(batch))
         if self.stream is not None:
             metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1

@@ -53,6 +53,8 @@ def policy_update(
     indices = indices.cpu()  # host indices (from the host-side selection): shuffled and cut on the host
     device = traj.latents.device
     num_trained = traj.steps().shape[1]
+    if num_trained == 0:  # a rollout with no trained step (an empty window) trains nothing, on every rank alike
+        indices = indices[:0]
     sums: dict[str, Any] = {}  # on the device: read once, at the end
     count = 0
     optim_metrics: dict[str, float] = {}

@@ -6,20 +6,23 @@ reward I/O call these methods and never name an algorithm:
 
     config       ``check`` (its own keys), ``schedule_kind`` (``flowgrpo.schedule: auto``), ``step_rule``
     batch        ``plan``: what the iteration's generator draws for it (a window start, the steps to train), on
-                 the host, the same on the ranks of an SP group; ``share_plan``: the same on every rank where two
-                 experts need it (``models/experts.py``)
+                 the host, the same on the ranks of an SP group; ``plan_iteration``: what depends on the iteration
+                 itself, the same on every rank (a window that moves with training); ``share_plan``: the same on
+                 every rank where two experts need it (``models/experts.py``)
     lifecycle    ``attach``: once the engine is built, and again after a checkpoint is loaded (state the algorithm keeps
                  beside the trained model, such as DiffusionNFT's old policy); ``after_update``: after an
                  iteration's optimizer steps
     rollout      ``span`` (which steps are stochastic, for every sample or per sample; the rest are ODE),
-                 ``ode_solver`` (the solver of the rest: Euler unless it says otherwise), ``rollout_engine`` (the
-                 policy that samples), ``store`` (what the update reads beyond the span, kept on the trajectory),
-                 ``final_is_prediction`` (the reward reads the last predicted data, not the last latent) and
-                 ``keeps_old_means`` (the old policy's step means are stored beside its log-probs: ``traj.old_means``)
+                 ``ode_solver`` (the solver of the rest: Euler unless it says otherwise), ``tail`` (or DPM-Solver++ on
+                 fewer steps after the span), ``rollout_engine`` (the policy that samples), ``store`` (what the update
+                 reads beyond the span, kept on the trajectory), ``final_is_prediction`` (the reward reads the last
+                 predicted data, not the last latent) and ``keeps_old_means`` (the old policy's step means are stored
+                 beside its log-probs: ``traj.old_means``)
     advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``drops_zero_advantage``
     update       ``step_loss``: the loss of one trained step of some samples from the stored rollout and the current
                  policy, in the form ``FSDPEngine.forward_backward`` takes, with its metrics; ``uses_log_probs``:
                  whether it reads the rollout's (old) log-probs, which the loop then computes
+    metrics      ``iteration_metrics``: the iteration's choices (where its window is)
 
 The base class is the Flow-GRPO family's shared part: the clipped ratio objective of a stored SDE step, with the
 optional KL to the adapters-off reference. A new algorithm subclasses it and overrides what differs; its
@@ -34,6 +37,7 @@ import torch
 
 from ...ledger import comm_phase
 from ..config import ConfigError, TrainConfig
+from ..sampling.dpm import DPMTail
 from ..sampling.rollout import Trajectory, evaluate_window_step
 from ..sampling.sde import StepRule
 from .advantages import group_advantages
@@ -80,6 +84,10 @@ class Algorithm:
     def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
         """Draw this iteration's choices into ``batch`` from ``gen`` (seeded by the iteration and the dp rank)."""
 
+    def plan_iteration(self, batch: dict[str, Any], iteration: int, gen: torch.Generator) -> None:
+        """Draw into ``batch`` what depends on the training iteration (a window that moves as training goes on),
+        from ``gen`` seeded by the iteration alone: the same on every rank. Default: nothing."""
+
     def share_plan(self, batch: dict[str, Any], trainable: set[int], gen: torch.Generator) -> None:
         """Redraw the choices from ``gen`` (the iteration's alone) among the ``trainable`` schedule steps, the same on
         every rank: two experts are sharded over every rank, which must run the same one at a time."""
@@ -124,6 +132,15 @@ class Algorithm:
         """Whether the loss reads the old policy's step means (``traj.old_means`` ``[B, T, ...]``, beside the old
         log-probs: from their recomputation, or stored by the rollout when they are not recomputed)."""
         return False
+
+    def tail(self, batch: dict[str, Any], schedule: Any) -> DPMTail | None:
+        """The solver of the steps after the span: None, Euler ODE steps on the schedule; a ``DPMTail``,
+        DPM-Solver++ on its compressed sigmas (``sampling/dpm.py``)."""
+        return None
+
+    def iteration_metrics(self, batch: dict[str, Any]) -> dict[str, float]:
+        """This iteration's choices as metrics (e.g. where its window is). Default: none."""
+        return {}
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,13 @@ from .dance_grpo import DanceGRPO
 from .diffusion_nft import DiffusionNFT
 from .flow_grpo import FlowGRPO
 from .grpo_guard import GRPOGuard
+from .mix_grpo import MixGRPO
 
 __all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, DiffusionNFT)}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT)
+}
 
 
 def algorithm_class(config: TrainConfig) -> type[Algorithm]:

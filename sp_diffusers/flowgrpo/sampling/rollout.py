@@ -13,6 +13,9 @@ the batch and each sample takes its own (``torch.where``: bit for bit each step 
 stored at its own positions ``[B, S+1, ...]`` (``Trajectory.starts``). Which samples are where is known on the host
 from the starts; the tables that say so reach the device once per rollout, so no step waits on the device.
 
+After the span, the steps are Euler ODE steps on the schedule, or (a ``dpm.DPMTail``: MixGRPO) DPM-Solver++ on a
+compressed tail of the schedule.
+
 Every rank of an SP group calls this with the same batch and the same generator seed, so the noise, the span
 and the latents are identical there; the transformer's Ulysses attention does the rest.
 """
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from ...devices import to_device
+from .dpm import DPMTail, dpm_solver_pp_step
 from .guidance import guided, paired
 from .pipeline_schedule import Schedule
 from .sde import SDEStep, StepRule, ode_step
@@ -172,6 +176,7 @@ def rollout(
     hold: Callable[[Any], Any] | None = None,
     solver: Any = None,
     keep_means: bool = False,
+    tail: DPMTail | None = None,
 ) -> Trajectory:
     """Denoise ``noise`` from sigma 1 to 0; SDE steps in ``[window_start, window_start + window_size)``.
 
@@ -180,40 +185,50 @@ def rollout(
     sampled last latent (DanceGRPO decodes that; after a final ODE step to sigma 0 the two are the same).
     ``hold``: each step's engine passes through it (``guidance.WeightHolder``: weights gathered once).
     ``solver``: the deterministic steps' solver (``step(x, v, sigmas, i) -> x'``, e.g. ``dpm_solver.DPMSolver2``);
-    None: Euler. A span of size 0 stores no latents and no log-probs (``[B, 0, ...]``, ``[B, 0]``).
-    ``keep_means``: store the span's step means too (``Trajectory.means``). ``window_start`` a sequence: each
-    sample its own window (per-sample windows; Euler outside them)."""
+    None: Euler. ``keep_means``: store the span's step means too (``Trajectory.means``). ``window_start`` a
+    sequence: each sample its own window (per-sample windows; Euler outside them).
+    ``tail``: the steps after the span run by DPM-Solver++ on the tail's own (compressed) sigmas instead of Euler on
+    the schedule's (``dpm.py``: MixGRPO); its history is the span's last data prediction. A span of 0 steps stores
+    the latent at ``window_start`` alone and no log-prob (an iteration that trains nothing)."""
     if not isinstance(window_start, int):
-        if solver is not None:
-            raise ValueError("per-sample windows take the Euler step outside the windows; fix: solver=None")
+        if solver is not None or tail is not None:
+            raise ValueError("per-sample windows take the Euler step outside the windows; fix: solver=None, tail=None")
         return _rollout_per_sample(
             engine, adapter, cond, noise, schedule, list(window_start), window_size, rule, generator, cfg_scale,
             final_is_prediction, cfg_batch, hold, keep_means,
         )  # fmt: skip
     sigmas = schedule.sigmas  # the CPU copy: its numbers are read on the host
     num_steps = schedule.num_steps
-    if not 0 <= window_start <= num_steps - window_size:
+    if not 0 <= window_start <= num_steps - window_size or window_size < 0:
         raise ValueError(
             f"window_start={window_start} with window_size={window_size} does not fit {num_steps} steps; "
             f"fix: flowgrpo.window_range within [0, {num_steps - window_size + 1})"
         )
+    end = window_start + window_size
+    if tail is not None:
+        _check_tail(tail, engine, sigmas, window_size, end, num_steps)
+    stop = num_steps if tail is None else end  # the schedule's steps this loop runs; the tail runs the rest
     x = noise.float()
     on_device = schedule.on(
         x.device
     ).timesteps  # each step's timestep indexed there, not copied from the host
     stored, log_probs, means = [], [], []
     final = None
+    last_prediction = None  # (x0, sigma) of the span's last step: the tail's history
     if cfg_scale > 1.0 and cfg_batch:
         cond = {**cond, "cfg_pair": paired(cond)}  # stacked once, read by every step
-    for i in range(num_steps):
+    for i in range(stop):
         step_engine = engine.for_step(i) if hasattr(engine, "for_step") else engine
         if hold is not None:
             step_engine = hold(step_engine)
+        if window_start <= i <= end:
+            stored.append(x)  # the span's inputs, and its output (the next step's input)
         v = velocity(step_engine, adapter, x, on_device[i], cond, cfg_scale, cfg_batch=cfg_batch)
         if i == num_steps - 1 and final_is_prediction:
             final = x - float(sigmas[i]) * v
-        if window_start <= i < window_start + window_size:
-            stored.append(x)
+        if window_start <= i < end:
+            if tail is not None and i == end - 1:
+                last_prediction = (x - float(sigmas[i]) * v, float(sigmas[i]))
             step = rule.step(x, v, sigmas, i, generator=generator)
             x = step.prev_sample
             log_probs.append(step.log_prob)
@@ -223,18 +238,53 @@ def rollout(
             x = solver.step(x, v, sigmas, i)
         else:
             x = ode_step(x, v, float(sigmas[i]), float(sigmas[i + 1]))
-        if window_size and i == window_start + window_size - 1:
-            stored.append(x)
-    if not window_size:  # nothing stochastic: nothing stored but the end
-        return Trajectory(x.new_zeros((x.shape[0], 0, *x.shape[1:])), x.new_zeros((x.shape[0], 0)), window_start,
-                          x if final is None else final)
+    if end == stop:
+        stored.append(x)  # the span ends where this loop does: its output is the loop's last latent
+    if tail is not None:
+        step_engine = engine if hold is None else hold(engine)
+        x = _run_tail(step_engine, adapter, x, cond, cfg_scale, cfg_batch, tail, last_prediction)
+    log_prob_table = torch.stack(log_probs, dim=1) if log_probs else x.new_zeros((x.shape[0], 0))
     return Trajectory(
         torch.stack(stored, dim=1),
-        torch.stack(log_probs, dim=1),
+        log_prob_table,
         window_start,
         x if final is None else final,
         means=torch.stack(means, dim=1) if keep_means and means else None,
     )
+
+
+
+def _check_tail(tail: DPMTail, engine, sigmas: torch.Tensor, window_size: int, end: int, num_steps: int) -> None:
+    """A tail continues a span of at least one step (its history) from the schedule's sigma after it, on a model
+    that is one engine (a two-expert model picks its expert by the schedule's step, which a tail step is not)."""
+    if window_size < 1 or end >= num_steps:
+        raise ValueError(
+            f"a DPM tail needs a span of at least one step that ends before the last step, got window_size="
+            f"{window_size} ending at step {end} of {num_steps}; fix: no tail for such a span"
+        )
+    if float(tail.sigmas[0]) != float(sigmas[end]):  # CPU tensors: no device sync
+        raise ValueError(
+            f"the DPM tail starts at sigma {float(tail.sigmas[0])!r}, the schedule's sigma after the span (step "
+            f"{end}) is {float(sigmas[end])!r}; fix: build the tail from the schedule the rollout runs "
+            "(dpm.compressed_tail on the shifted linspace: flowgrpo.schedule=linspace)"
+        )
+    if hasattr(engine, "for_step"):
+        raise ValueError(
+            "a DPM tail runs off the schedule's steps, and a two-expert model picks its expert by step; fix: "
+            "flowgrpo.mix_tail_solver=euler"
+        )
+
+
+def _run_tail(engine, adapter, x, cond, cfg_scale, cfg_batch, tail: DPMTail, history) -> torch.Tensor:
+    """The tail's steps from ``x`` at ``tail.sigmas[0]`` to 0 (``dpm.dpm_solver_pp_step``)."""
+    sig = tail.sigmas.tolist()  # host floats: the step's coefficients cost no device sync
+    timesteps = to_device(tail.timesteps, x.device)  # queued once; indexed there
+    for j in range(tail.num_steps):
+        v = velocity(engine, adapter, x, timesteps[j], cond, cfg_scale, cfg_batch=cfg_batch)
+        x0 = x - sig[j] * v
+        x = dpm_solver_pp_step(x, x0, sig[j], sig[j + 1], history, tail.solver_type)
+        history = (x0, sig[j])
+    return x
 
 
 class _Windows:
