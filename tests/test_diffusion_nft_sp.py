@@ -50,8 +50,8 @@ def test_diffusion_nft_update_matches_one_process(layout, lora):
     assert got["old_was_theta"] == 0.0 and ref["old_was_theta"] == 0.0
     assert ref["metrics"]["old_deviate"] == 0.0 and got["metrics"]["old_deviate"] == 0.0
     assert (ref["metrics"]["kl_div"] > 0) == lora
-    # the rollout: sampled by the old policy, nothing stochastic stored, no log-probs
-    assert got["rollout"]["stored"][1] == 0 and got["rollout"]["old_lp"] == 0.0
+    # the rollout: sampled by the old policy; an empty stochastic span stores its start alone (no step), no log-probs
+    assert got["rollout"]["stored"][1] == 1 and got["rollout"]["old_lp"] == 0.0
     assert (got["rollout"]["final"] - ref["rollout"]["final"]).abs().max().item() <= 1e-4
     assert abs(got["reward_mean"] - ref["reward_mean"]) <= 1e-5
     nonzero = 0
