@@ -81,7 +81,12 @@ def velocity(
     x = latents.to(dtype)
 
     def forward(x: torch.Tensor, t: torch.Tensor, embeds: str, mask: str, pooled: str, text: dict) -> torch.Tensor:
-        return engine.forward(**adapter.inputs(x, t, text[embeds].to(dtype), text[mask], text.get(pooled)))
+        # an image-conditioned family joins its condition_* tensors to the input and returns the noisy tokens' part
+        # of the output (models/conditioning.py)
+        condition = {k: v for k, v in text.items() if k.startswith("condition_")}
+        extra = {"condition": condition} if condition else {}
+        out = engine.forward(**adapter.inputs(x, t, text[embeds].to(dtype), text[mask], text.get(pooled), **extra))
+        return adapter.noisy_output(out) if condition else out
 
     names = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds")
     if cfg_scale > 1.0 and cfg_batch:
@@ -169,6 +174,7 @@ def rollout(
             x = ode_step(x, v, float(sigmas[i]), float(sigmas[i + 1]))
         if i == window_start + window_size - 1:
             stored.append(x)
-    return Trajectory(
-        torch.stack(stored, dim=1), torch.stack(log_probs, dim=1), window_start, x if final is None else final
-    )
+    final = x if final is None else final
+    if hasattr(adapter, "final_latents"):  # Wan2.2 TI2V: the first frame is the image's, as its pipeline ends
+        final = adapter.final_latents(final, cond)
+    return Trajectory(torch.stack(stored, dim=1), torch.stack(log_probs, dim=1), window_start, final)
