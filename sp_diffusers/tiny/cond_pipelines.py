@@ -24,7 +24,7 @@ from typing import Any
 
 from ..scheduler_configs import scheduler_kwargs
 from ._registry import tiny_model
-from .text_parts import char_tokenizer, tiny_clip_text, tiny_t5, tiny_umt5
+from .text_parts import char_tokenizer, require_weights, tiny_clip_text, tiny_t5, tiny_umt5
 from .vision_parts import (
     tiny_autoencoder_kl_8x,
     tiny_clip_vision,
@@ -43,9 +43,12 @@ __all__ = [
 
 
 def _save(pipe: Any, folder: str | os.PathLike) -> Path:
-    from .pipelines import _save as save
+    import torch
 
-    return save(pipe, folder)
+    pipe.save_pretrained(folder)
+    models = [Path(folder) / name for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)]
+    require_weights(f"save_tiny_pipeline ({type(pipe).__name__})", models)
+    return Path(folder)
 
 
 def save_tiny_flux_kontext_pipeline(
@@ -118,8 +121,6 @@ def save_tiny_wan_i2v_pipeline(
     UMT5 + ByT5 tokenizer, a 4x / 4x ``AutoencoderKLWan`` and Wan2.1's scheduler config as ``save_tiny_wan_pipeline``."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
 
-    from .pipelines import WAN_SCHEDULER_CONFIG
-
     if variant not in ("wan2.1", "wan2.2", "wan2.2-ti2v"):
         raise ValueError(
             f"variant={variant!r}: choose wan2.1 (I2V), wan2.2 (I2V-A14B) or wan2.2-ti2v (TI2V-5B)"
@@ -144,7 +145,7 @@ def save_tiny_wan_i2v_pipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=tiny_wan_vae_4x(seed + 2, z),
-        scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER_CONFIG),
+        scheduler=UniPCMultistepScheduler(**scheduler_kwargs("wan")),
         transformer=transformer,
         **extra,
     )
