@@ -137,3 +137,42 @@ def test_trainer_condition_equals_the_pipelines(folders, family, monkeypatch, tm
             assert call["timestep"].shape == (1, adapter.tokens) and float(call["timestep"][0, 0]) == 0.0
     if family == "wan2.2-i2v":
         assert {n for n, _ in calls} == {"transformer", "transformer_2"}
+
+
+@pytest.mark.parametrize("family", ["qwenimage-edit", "wan2.2-ti2v"])
+def test_cfg_in_one_forward_pairs_the_condition(folders, family, tmp_path):
+    """Classifier-free guidance as one forward of 2B samples (the condition repeated for the unconditional branch,
+    Qwen-Image-Edit's empty prompt read with the image) equals the two forwards, to fp32 rounding (the texts' padding
+    differs: masked keys for Qwen-Image; Wan zero-pads to its fixed length either way)."""
+    from sp_diffusers.flowgrpo.build import build_text_encoder
+    from sp_diffusers.flowgrpo.io.data import read_prompts
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.conditioning import build_conditioning
+    from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
+    from sp_diffusers.flowgrpo.sampling.rollout import velocity
+    from sp_diffusers.padding import pad_text_batch
+
+    _image(32, 64).save(tmp_path / "a.png")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": PROMPT, "image": "a.png"}) + "\n")
+    rows = read_prompts(tmp_path / "rows.jsonl")
+    c = TrainConfig()
+    c.model.pipeline, c.model.image_size, c.model.image_width, c.model.frames = str(folders[family]), 8, 16, 2
+    c.model.condition_area, c.text.max_sequence_length = AREA, 512
+    resolve_pipeline(c)
+    model = load_transformers(c)["transformer"].eval()
+    adapter, encoder = build_conditioning(
+        c, model, build_text_encoder(c, torch.device("cpu")), build_adapter(model, 8, True, 2, 512, image_width=16), rows
+    )
+    batch = encoder.encode(rows, repeat=2, negative=True)
+    cond = {k: v for k, v in batch.items() if k.startswith("condition_")}
+    for prefix in ("", "negative_"):
+        cond[f"{prefix}prompt_embeds"], cond[f"{prefix}prompt_embeds_mask"] = pad_text_batch(
+            batch[f"{prefix}prompt_embeds"], batch[f"{prefix}prompt_embeds_mask"], 1, "prompt_embeds"
+        )
+    engine = type("E", (), {"model": model, "forward": lambda self, **kw: model(**kw, return_dict=False)[0]})()
+    x = torch.randn(adapter.latent_shape(2), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        one = velocity(engine, adapter, x, torch.tensor(700.0), cond, 4.0, cfg_batch=True)
+        two = velocity(engine, adapter, x, torch.tensor(700.0), cond, 4.0, cfg_batch=False)
+    assert one.shape == x.shape
+    torch.testing.assert_close(one, two, atol=1e-5 * float(two.abs().max()), rtol=0)

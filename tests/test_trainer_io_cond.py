@@ -1,7 +1,8 @@
 """The image-conditioned families end to end at tiny size (the issue's done-when), as ``test_trainer_io.py`` holds the
 text-conditioned ones: a pipeline folder of each (FLUX.1 Kontext, Qwen-Image-Edit, Wan2.1 I2V, Wan2.2 I2V-A14B with
 both experts, Wan2.2 TI2V-5B) -> ``sp-diffusers train`` at Ulysses SP = 2 on a .jsonl of rows that name a source
-image (relative paths), with a reward that reads the source pixels, eval on image rows -> ``sp-diffusers export`` ->
+image (relative paths), with a reward that reads the source pixels, eval on image rows (Qwen-Image-Edit with
+classifier-free guidance in one forward, Wan2.2 TI2V under DanceGRPO, the rest FlowGRPO) -> ``sp-diffusers export`` ->
 plain diffusers, in a process that never imports sp_diffusers, reloads the export (the family's own edit / I2V
 pipeline class) and reproduces the trained transformer's output on inputs with a condition; ``sp-diffusers sample
 --image`` renders a Wan I2V video under SP as an MP4 that opens. One process group trains every family.
@@ -61,6 +62,10 @@ def _argv(family: str, pipeline: Path, data: Path, run: Path) -> list[str]:
         "lora.alpha": 8.0,
         "lora.init": "false",
     }
+    if family == "qwenimage-edit":  # CFG in one forward: the empty prompt read with the image, the condition paired
+        sets["flowgrpo.cfg_scale"] = 4.0
+    if family == "wan2.2-ti2v":  # DanceGRPO (per-sample trained steps: per-sample per-token timesteps)
+        sets["flowgrpo.algorithm"] = "dance_grpo"
     argv = ["train", "--out-dir", str(run)]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]

@@ -59,7 +59,6 @@ FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", 8, 1, 2, 1, 333, False),
     "ltx": Family("ltx", 32, 8, 1, 1, 128, True),
     "cogvideox": Family("cogvideox", 8, 4, 2, 1, 226, True),
-    "wan2.2-5b": Family("wan", 16, 4, 2, 1, 512, True),  # Wan2.2's own VAE: 16x spatial
 }
 
 
@@ -298,11 +297,12 @@ def _conditioned() -> dict[str, ModelSpec]:
         "i2v": "the first frame and its mask join the channels; Wan2.1's 257 CLIP tokens precede the text",
         "ti2v": "the first latent frame is the image's; every token has its own timestep",
     }
+    families = {**FAMILIES, "wan2.2-5b": Family("wan", 16, 4, 2, 1, 512, True)}  # Wan2.2's own VAE: 16x spatial
     out = {}
     for name, (kind, family, config, condition, experts, source, size) in COND_SPECS.items():
         extra = ("two experts (high-noise, low-noise): the step runs one",) if experts > 1 else ()
         out[name] = ModelSpec(
-            name, kind, dict(config), FAMILIES[family], experts, source, size, (*extra, notes[condition]), condition
+            name, kind, dict(config), families[family], experts, source, size, (*extra, notes[condition]), condition
         )
     return out
 
