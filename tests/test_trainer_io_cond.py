@@ -65,7 +65,7 @@ def _argv(family: str, pipeline: Path, data: Path, run: Path) -> list[str]:
     if family == "qwenimage-edit":  # CFG in one forward: the empty prompt read with the image, the condition paired
         sets["flowgrpo.cfg_scale"] = 4.0
     if family == "wan2.2-ti2v":  # DanceGRPO (per-sample trained steps: per-sample per-token timesteps)
-        sets["flowgrpo.algorithm"] = "dance_grpo"
+        sets.update({"flowgrpo.algorithm": "dance_grpo", "flowgrpo.shift": 5.0})
     argv = ["train", "--out-dir", str(run)]
     for key, value in sets.items():
         argv += ["--set", f"{key}={value}"]
