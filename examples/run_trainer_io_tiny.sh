@@ -2,6 +2,8 @@
 # The real-run path on 2 CPU processes at tiny size: pipeline folder -> FlowGRPO with rewards you bring, a .jsonl
 # dataset with eval and sample grids -> `sp-diffusers export` -> `sp-diffusers sample` under SP.
 #   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan or wan2.2 for the others)
+#   FAMILY=qwenimage-edit bash examples/run_trainer_io_tiny.sh   # editing / I2V on image rows: flux-kontext,
+#                                                      # qwenimage-edit, wan-i2v, wan2.2-i2v, wan2.2-ti2v
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
@@ -10,10 +12,20 @@ family=${FAMILY:-qwenimage}
 pipe=runs/tiny-$family-pipeline run=runs/tiny-$family-sp2 out=runs/tiny-$family-export
 [[ -f $pipe/model_index.json ]] || .venv/bin/python -c \
   "from sp_diffusers.tiny import save_tiny_pipeline; save_tiny_pipeline('$family', '$pipe', num_layers=2)"
+config=examples/configs/tiny_pipeline_sp2.yaml size=16 length=256 image=() extra=()
+case $family in
+  flux-kontext | qwenimage-edit | wan-i2v | wan2.2-i2v | wan2.2-ti2v)
+    # rows with a source image each; the edit families' tiny VAEs are 8x (64 x 64 px), Wan's 4x (32 x 32 px)
+    config=examples/configs/tiny_image_cond_sp2.yaml size=32 length=512 image=(--image examples/data/images/blue.png)
+    [[ $family == wan2.2-i2v ]] && extra=(--set flowgrpo.window_size=4 --set "flowgrpo.window_range=[0,1]")
+    ;;
+esac
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers train \
-  --config examples/configs/tiny_pipeline_sp2.yaml --set "model.pipeline=$pipe" --out-dir "$run" "$@"
+  --config "$config" --set "model.pipeline=$pipe" --out-dir "$run" "${extra[@]}" "$@"
 .venv/bin/sp-diffusers export --run "$run" --out "$out" --force   # a rerun replaces its own export
 ext=png; [[ $family == wan* ]] && ext=mp4
+# the edit pipelines resize the source to ~1 MP (4096 condition tokens with the tiny 8x VAE): one prompt there
+prompts=(--prompt "a red teapot"); [[ ${#image[@]} -eq 0 || $family == wan* ]] && prompts+=(--prompt "a blue sailboat")
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers sample --ulysses 2 \
-  --pipeline "$out" --prompt "a red teapot" --prompt "a blue sailboat" --steps 6 --height 16 --width 16 \
-  --max-sequence-length 256 --out "$run/sample.$ext"
+  --pipeline "$out" "${prompts[@]}" "${image[@]}" --steps 6 --height $size --width $size --frames 5 \
+  --max-sequence-length $length --out "$run/sample.$ext"

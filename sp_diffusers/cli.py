@@ -196,6 +196,7 @@ def _sample(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         max_sequence_length=args.max_sequence_length,
+        images=args.image,
     )
     if path is not None:
         note = " (no MP4 writer: pip install imageio imageio-ffmpeg)" if path.suffix != Path(args.out).suffix else ""
@@ -207,6 +208,13 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline", required=True, help="a diffusers pipeline folder (e.g. what `export` wrote)")
     p.add_argument("--prompt", required=True, action="append", help="a prompt (repeat for several, tiled)")
     p.add_argument("--out", required=True, help="x.png (images) or x.mp4 / x.gif (videos)")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        help="the source image of an editing or image-to-video pipeline (Qwen-Image-Edit, FLUX.1 Kontext, Wan I2V; "
+        "repeat for Qwen-Image-Edit-Plus's several)",
+    )
     p.add_argument("--lora", default=None, help="a LoRA .safetensors for the transformer (load_lora_weights)")
     p.add_argument("--lora-2", default=None, help="Wan2.2: a LoRA .safetensors for transformer_2")
     p.add_argument("--ulysses", type=int, default=1, help="Ulysses degree (run under torchrun with that many)")

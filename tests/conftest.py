@@ -12,12 +12,15 @@ SLOWEST_FIRST = (  # a clean-clone run's seconds per file, 2 workers
     "test_main_job.py",  # 86
     "test_exit.py",  # 79
     "test_verl.py",  # 71
+    "test_trainer_io_cond.py",  # ~75 (one run, 2 cores)
     "test_plan_shortcut.py",  # 61
     "test_plan.py",  # 55
+    "test_pipeline_io_cond.py",  # ~50
     "test_engine.py",  # 54
     "test_benchmarks.py",  # 48
     "test_hot_path.py",  # 43
     "test_trainer_io.py",  # 41
+    "test_plan_cond.py",  # ~40
     "test_extras.py",  # 35
     "test_cli.py",  # 30
     "test_gpu_check.py",  # 27

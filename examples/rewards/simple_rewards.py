@@ -26,3 +26,14 @@ def color_match(images: torch.Tensor, prompts: list[str], metadata: list[dict]) 
         c = CHANNELS.get(str(row.get("color", "")).lower())
         scores.append(0.0 if c is None else float(rgb[c, b] - (rgb[:, b].sum() - rgb[c, b]) / 2))
     return torch.tensor(scores)
+
+
+def source_similarity(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+    """An edit reward: how close the output stays to the source image, ``-mean |output - source|`` (0 is best).
+
+    Editing and image-to-video runs give each sample's source image(s) as pixels beside the row's fields:
+    ``metadata[i]["source_image"]`` is ``[3, H, W]`` in [0, 1] at the output's size (``"source_images"``: all of the
+    row's). A video is compared by its first frame (image-to-video: the frame the source becomes)."""
+    first = images[:, 0] if images.dim() == 5 else images
+    sources = torch.stack([row["source_image"] for row in metadata]).to(first)
+    return -(first.float() - sources.float()).abs().flatten(1).mean(dim=1)

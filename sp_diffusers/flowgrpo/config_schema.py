@@ -38,6 +38,9 @@ class ModelConfig:
     image_size: int = 8  # latent height before patching (pixels / the VAE's factor; tokens = (size / patch)^2)
     image_width: int = 0  # latent width (0: image_size, square)
     frames: int = 4  # latent frames of a video family (wan); image families ignore it
+    # editing families (Qwen-Image-Edit, FLUX.1 Kontext): the condition image's area in pixels; 0: the pipeline's
+    # own (about 1 MP), at the output's aspect ratio (models/conditioning.py)
+    condition_area: int = 0
     seed: int = 0
 
 

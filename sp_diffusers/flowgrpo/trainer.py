@@ -51,6 +51,7 @@ from .io.evaluate import Evaluator
 from .io.metrics import RunLog
 from .io.run_lock import lock_run_dir
 from .models.adapters import build_adapter
+from .models.conditioning import build_conditioning, with_sources
 from .models.decode import PixelDecoder
 from .models.experts import ExpertEngines, build_engines, check_expert_steps
 from .models.pipeline_io import load_vae, resolve_pipeline
@@ -111,6 +112,10 @@ class FlowGRPOTrainer:
             guidance_scale=c.flowgrpo.guidance_scale,
             image_width=c.model.image_width,
         )
+        # editing / image-to-video pipelines: the condition's adapter and its encoder (models/conditioning.py)
+        self.adapter, self.conditioner = build_conditioning(
+            c, self.engine.model, self.text_encoder, self.adapter, train_rows + eval_rows
+        )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
         # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
         self.reward = reward
@@ -161,7 +166,7 @@ class FlowGRPOTrainer:
         batch: dict[str, Any] = {
             "prompts": prompts,
             "metadata": [r.metadata for r in rows for _ in range(g.group_size)],
-            **self.text_encoder.encode_batch(prompts),
+            **self.encode_rows(rows, prompts),
             "group_ids": torch.tensor(
                 [
                     self.engine.dp_rank * g.prompts_per_rank + i
@@ -177,12 +182,20 @@ class FlowGRPOTrainer:
         self.algorithm.plan_iteration(batch, iteration, shared)
         batch["sde_seed"] = int(torch.randint(2**62, (1,), generator=gen))
         batch["shuffle_seed"] = int(torch.randint(2**62, (1,), generator=gen))
-        if g.cfg_scale > 1.0:
+        if g.cfg_scale > 1.0 and self.conditioner is None:
             batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         if isinstance(self.engine, ExpertEngines):  # every rank trains the same expert at a time
             gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, 0x2E))
             self.algorithm.share_plan(batch, set(self.engine.trainable_steps()), gen)
         return batch
+
+    def encode_rows(self, rows: list[PromptRow], prompts: list[str]) -> dict[str, Any]:
+        """The text of ``prompts`` (each row's prompt repeated over its group); for an image-conditioned family each
+        row's text and condition once, shared by its group, and the empty prompt's for CFG (``conditioning.py``)."""
+        if self.conditioner is None:
+            return self.text_encoder.encode_batch(prompts)
+        repeat = len(prompts) // max(1, len(rows))
+        return self.conditioner.encode(rows, repeat, negative=self.config.flowgrpo.cfg_scale > 1.0)
 
     def data_position(self, iteration: int) -> int:
         """The stream position iteration ``iteration`` starts at (each takes dp x prompts_per_rank prompts)."""
@@ -199,6 +212,7 @@ class FlowGRPOTrainer:
             "pooled_prompt_embeds",
             "negative_pooled_prompt_embeds",
         )
+        keys += tuple(k for k in batch if k.startswith("condition_"))  # an image condition (conditioning.py)
         return {k: (batch[k] if index is None else batch[k][index]) for k in keys if k in batch}
 
     # ----------------------------------------------------------------------------------- one iteration
@@ -224,7 +238,8 @@ class FlowGRPOTrainer:
         split over the SP group, identical on its ranks), on the latents' device."""
         if self.reward is not None:
             return self.reward(self.adapter.reward_view(final), batch["prompts"]).float(), {}
-        total, each = self.rewards(final, batch["prompts"], batch.get("metadata"))
+        metadata = with_sources(batch.get("metadata"), batch.get("source_pixels"), final.shape[0])
+        total, each = self.rewards(final, batch["prompts"], metadata)
         return to_device(total, final.device), to_device(each, final.device)
 
     def _update_holds(self) -> bool:

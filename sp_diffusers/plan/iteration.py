@@ -136,6 +136,11 @@ def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) ->
 
     f = spec.family
     t, h, w = work.grid
+    if spec.condition:
+        raise PlanError(
+            f"--rl: {spec.name} is image-conditioned ({spec.condition}); the RL iteration plan does not feed a "
+            "condition yet; fix: plan its train step without --rl"
+        )
     try:
         adapter = build_adapter(model, h * f.patch, True, t * f.patch_t, work.text_len, 3.5, w * f.patch)
     except ValueError as err:

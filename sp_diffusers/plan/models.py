@@ -74,6 +74,9 @@ class ModelSpec:
     source: str = ""
     default_size: tuple[int, int, int] = (1024, 1024, 1)  # height, width, frames
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # an image condition (cond_specs.py): "edit" (a condition image's tokens join the sequence, as many as the
+    # output's), "i2v" (first frame + mask as channels; CLIP tokens where image_dim), "ti2v" (per-token timesteps)
+    condition: str = ""
 
     @property
     def class_name(self) -> str:
@@ -284,6 +287,27 @@ BUILTIN: dict[str, ModelSpec] = {
         default_size=(480, 720, 49),
     ),
 }
+
+
+def _conditioned() -> dict[str, ModelSpec]:
+    from .cond_specs import COND_SPECS
+
+    notes = {
+        "edit": "the condition image's tokens join the sequence (its pipeline resizes it to ~1 MP: counted at the output's size)",
+        "i2v": "the first frame and its mask join the channels; Wan2.1's 257 CLIP tokens precede the text",
+        "ti2v": "the first latent frame is the image's; every token has its own timestep",
+    }
+    families = {**FAMILIES, "wan2.2-5b": Family("wan", 16, 4, 2, 1, 512, True)}  # Wan2.2's own VAE: 16x spatial
+    out = {}
+    for name, (kind, family, config, condition, experts, source, size) in COND_SPECS.items():
+        extra = ("two experts (high-noise, low-noise): the step runs one",) if experts > 1 else ()
+        out[name] = ModelSpec(
+            name, kind, dict(config), families[family], experts, source, size, (*extra, notes[condition]), condition
+        )
+    return out
+
+
+BUILTIN.update(_conditioned())
 
 
 def _kind_of_class(class_name: str) -> str | None:

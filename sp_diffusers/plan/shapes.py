@@ -23,11 +23,13 @@ class Workload:
     grid: tuple[int, int, int]  # tokens along (time, height, width)
     text_len: int
     pixels: tuple[int, int, int] | None = None  # (height, width, frames) asked for; None with --tokens
+    condition_tokens: int = 0  # an edit's condition image tokens, in the same sequence (ModelSpec.condition)
 
     @property
     def tokens(self) -> int:
+        """The transformer's image / video tokens, an edit's condition tokens included."""
         t, h, w = self.grid
-        return t * h * w
+        return t * h * w + self.condition_tokens
 
     def describe(self, spec: ModelSpec) -> str:
         f = spec.family
@@ -44,6 +46,8 @@ class Workload:
             ph, pw, frames = self.pixels
             source = f"{ph}x{pw}" + (f" x {frames} frames" if f.video else "") + " -> "
         grid = f"{t} x {h} x {w}" if f.video else f"{h} x {w}"
+        if self.condition_tokens:
+            grid += f" + {self.condition_tokens:,} condition tokens"
         return f"{source}{self.tokens:,} tokens ({grid}; {how}) + {self.text_len} text tokens, batch {self.batch}"
 
 
@@ -83,7 +87,12 @@ def workload_from_pixels(
             f"--frames {frames}: {latent_t} latent frames do not divide the temporal patch {f.patch_t}"
         )
     grid = (latent_t // f.patch_t, height // m, width // m)
-    return Workload(batch, grid, _text_len(spec, text_len), (height, width, frames))
+    return Workload(batch, grid, _text_len(spec, text_len), (height, width, frames), _condition(spec, grid))
+
+
+def _condition(spec: ModelSpec, grid: tuple[int, int, int]) -> int:
+    """An edit's condition tokens: its image at the output's size (the pipelines' ~1 MP at a ~1 MP output)."""
+    return grid[0] * grid[1] * grid[2] if spec.condition == "edit" else 0
 
 
 def workload_from_tokens(
@@ -96,7 +105,7 @@ def workload_from_tokens(
     per_frame = max(1, round(tokens / frames))
     h = max(1, math.isqrt(per_frame * 9 // 16) if spec.family.video else math.isqrt(per_frame))
     w = max(1, round(per_frame / h))
-    return Workload(batch, (frames, h, w), _text_len(spec, text_len))
+    return Workload(batch, (frames, h, w), _text_len(spec, text_len), condition_tokens=_condition(spec, (frames, h, w)))
 
 
 def _text_len(spec: ModelSpec, text_len: int | None) -> int:
@@ -112,6 +121,13 @@ def build_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> dic
     latent = (t * f.patch_t, h * f.patch, w * f.patch)
     # flux's builder takes the packed token grid, the others the latent grid they patchify themselves
     image_hw = (h, w) if f.kind == "flux" else latent[1:]
+    options: dict[str, Any] = {}
+    if spec.condition == "edit":  # the condition image's tokens after the noisy ones
+        options["condition_hw"] = (image_hw,)
+    elif spec.condition == "ti2v":
+        options["first_frame_timestep"] = True
+    elif spec.condition == "i2v" and model.config.get("image_dim"):
+        options["clip_tokens"] = 257  # CLIP ViT-H/14 at 224 px: 256 patches + the class token
     inputs = tiny_inputs(
         f.kind,
         model,
@@ -120,6 +136,7 @@ def build_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> dic
         image_hw=image_hw,
         frames=latent[0],
         ragged_text=False,
+        **options,
     )
     if f.kind == "flux" and model.config.get("guidance_embeds"):
         inputs["guidance"] = torch.full((work.batch,), 3.5)

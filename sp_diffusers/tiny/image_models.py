@@ -33,14 +33,19 @@ def _qwenimage_inputs(
     image_hw: tuple[int, int],
     frames: int,
     ragged_text: bool,
+    condition_hw: tuple[tuple[int, int], ...] = (),
 ) -> dict[str, Any]:
+    """``condition_hw``: the latent (H, W) of each condition image (Qwen-Image-Edit: their packed tokens follow the
+    noisy ones in ``hidden_states``, each its own entry of ``img_shapes``)."""
     cfg = model.config
     h, w = image_hw[0] // cfg.patch_size, image_hw[1] // cfg.patch_size
+    grids = [(1, h, w), *((1, ch // cfg.patch_size, cw // cfg.patch_size) for ch, cw in condition_hw)]
+    tokens = sum(gh * gw for _, gh, gw in grids)
     inputs: dict[str, Any] = dict(
-        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        hidden_states=torch.randn(batch, tokens, cfg.in_channels, generator=g),
         encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g),
         timestep=t / 1000.0,
-        img_shapes=[[(1, h, w)]] * batch,
+        img_shapes=[grids] * batch,
     )
     mask = text_mask(batch, text_len, g) if ragged_text else torch.ones(batch, text_len, dtype=torch.bool)
     inputs["encoder_hidden_states_mask"] = mask
@@ -75,18 +80,26 @@ def _flux_inputs(
     image_hw: tuple[int, int],
     frames: int,
     ragged_text: bool,
+    condition_hw: tuple[tuple[int, int], ...] = (),
 ) -> dict[str, Any]:
+    """``condition_hw``: the packed grid of a condition image (FLUX.1 Kontext: its tokens follow the noisy ones, ids
+    ``(1, row, column)``)."""
     cfg = model.config
+
+    def ids(h: int, w: int, first: float) -> torch.Tensor:
+        out = torch.full((h, w, 3), first)
+        out[..., 1] = torch.arange(h)[:, None]
+        out[..., 2] = torch.arange(w)[None, :]
+        return out.reshape(h * w, 3)
+
     h, w = image_hw
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
+    img_ids = torch.cat([ids(h, w, 0.0), *(ids(ch, cw, 1.0) for ch, cw in condition_hw)])
     inputs = dict(
-        hidden_states=torch.randn(batch, h * w, cfg.in_channels, generator=g),
+        hidden_states=torch.randn(batch, img_ids.shape[0], cfg.in_channels, generator=g),
         encoder_hidden_states=torch.randn(batch, text_len, cfg.joint_attention_dim, generator=g),
         pooled_projections=torch.randn(batch, cfg.pooled_projection_dim, generator=g),
         timestep=t / 1000.0,
-        img_ids=img_ids.reshape(h * w, 3),
+        img_ids=img_ids,
         txt_ids=torch.zeros(text_len, 3),
     )
     return inputs
@@ -229,8 +242,8 @@ def _zimage_inputs(
     )
 
 
-register("qwenimage", TinyKind(_qwenimage_config, _qwenimage_inputs))
-register("flux", TinyKind(_flux_config, _flux_inputs))
+register("qwenimage", TinyKind(_qwenimage_config, _qwenimage_inputs, ("condition_hw",)))
+register("flux", TinyKind(_flux_config, _flux_inputs, ("condition_hw",)))
 register("sd3", TinyKind(_sd3_config, _sd3_inputs))
 register("flux2", TinyKind(_flux2_config, _flux2_inputs))
 register("zimage", TinyKind(_zimage_config, _zimage_inputs))

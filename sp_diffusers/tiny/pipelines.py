@@ -149,9 +149,17 @@ PIPELINE_WRITERS = {
 
 
 def save_tiny_pipeline(family: str, folder: str | os.PathLike, seed: int = 0, **options: Any) -> Path:
-    """``save_tiny_<family>_pipeline(folder, seed, **options)``; ``wan2.2`` is ``wan`` with two experts."""
+    """``save_tiny_<family>_pipeline(folder, seed, **options)``; ``wan2.2`` is ``wan`` with two experts; the
+    image-conditioned families (``flux-kontext``, ``qwenimage-edit``, ``qwenimage-edit-plus``, ``wan-i2v``,
+    ``wan2.2-i2v``, ``wan2.2-ti2v``) are in ``cond_pipelines.py``."""
+    from .cond_pipelines import COND_PIPELINE_WRITERS
+
     if family == "wan2.2":
         return save_tiny_wan_pipeline(folder, seed, experts=2, **options)
+    if family in COND_PIPELINE_WRITERS:
+        writer, fixed = COND_PIPELINE_WRITERS[family]
+        return writer(folder, seed, **fixed, **options)
     if family not in PIPELINE_WRITERS:
-        raise ValueError(f"no tiny pipeline for {family!r}; choose one of {(*PIPELINE_WRITERS, 'wan2.2')}")
+        choices = (*PIPELINE_WRITERS, "wan2.2", *COND_PIPELINE_WRITERS)
+        raise ValueError(f"no tiny pipeline for {family!r}; choose one of {choices}")
     return PIPELINE_WRITERS[family](folder, seed, **options)

@@ -46,13 +46,26 @@ def _wan_inputs(
     image_hw: tuple[int, int],
     frames: int,
     ragged_text: bool,
+    first_frame_timestep: bool = False,
+    clip_tokens: int = 5,
 ) -> dict[str, Any]:
+    """Image-to-video follows the config: ``in_channels`` holds the condition channels (Wan I2V), ``image_dim`` adds
+    ``clip_tokens`` CLIP image tokens (Wan2.1 I2V: 257); ``first_frame_timestep``: Wan2.2 TI2V's per-token timesteps ``[B, N]``, 0 on the first latent
+    frame."""
     cfg = model.config
     inputs = dict(
         hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),
         timestep=t,
         encoder_hidden_states=torch.randn(batch, text_len, cfg.text_dim, generator=g),
     )
+    if cfg.image_dim is not None:
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, clip_tokens, cfg.image_dim, generator=g)
+    if first_frame_timestep:
+        pt, ph, pw = cfg.patch_size
+        per_frame = (image_hw[0] // ph) * (image_hw[1] // pw)
+        mask = torch.ones(frames // pt, per_frame)
+        mask[0] = 0
+        inputs["timestep"] = t[:, None] * mask.flatten()[None, :]
     return inputs
 
 
@@ -200,7 +213,7 @@ def _cogvideox_inputs(
     return inputs
 
 
-register("wan", TinyKind(_wan_config, _wan_inputs))
+register("wan", TinyKind(_wan_config, _wan_inputs, ("first_frame_timestep", "clip_tokens")))
 register("hunyuanvideo", TinyKind(_hunyuanvideo_config, _hunyuanvideo_inputs))
 register("cogvideox", TinyKind(_cogvideox_config, _cogvideox_inputs))
 register("hunyuanvideo15", TinyKind(_hunyuanvideo15_config, _hunyuanvideo15_inputs))

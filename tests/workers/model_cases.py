@@ -77,12 +77,38 @@ MODELS: dict[str, ModelCase] = {
 }
 # fmt: on
 
+# fmt: off
+# The image-conditioned families (tests/test_image_cond_parity.py): the condition joins the sequence (edits: packed
+# tokens after the noisy ones) or the channels (Wan I2V; TI2V: per-token timesteps). N noisy + C condition tokens.
+COND_MODELS: dict[str, ModelCase] = {
+    # 16 + 16 and 9 + 4 tokens
+    "qwenimage_edit": ModelCase("qwenimage", dict(image_hw=_hw(16), text_len=8, condition_hw=(_hw(16),)),
+                                dict(image_hw=_hw(9), text_len=7, condition_hw=((4, 4),))),
+    # Qwen-Image-Edit-2511 (zero_cond_t: the condition tokens modulated at t = 0) with Plus's two images: 16 + 4 + 4
+    # and 9 + 4 + 3 tokens
+    "qwenimage_edit_plus": ModelCase("qwenimage", dict(image_hw=_hw(16), text_len=8, condition_hw=((4, 4), (4, 4))),
+                                     dict(image_hw=_hw(9), text_len=7, condition_hw=((4, 4), (6, 2))),
+                                     overrides=dict(zero_cond_t=True)),
+    # packed grids: 16 + 16 and 9 + 4 tokens
+    "flux_kontext": ModelCase("flux", dict(image_hw=(4, 4), text_len=8, condition_hw=((4, 4),)),
+                              dict(image_hw=(3, 3), text_len=7, condition_hw=((2, 2),)),
+                              overrides=dict(guidance_embeds=False)),
+    # noisy + mask + first frame as channels (4 + 4 + 4), CLIP tokens; the text is 512 rows (WanAttnProcessor)
+    "wan_i2v": ModelCase("wan", dict(image_hw=_hw(16), frames=2, text_len=512),
+                         dict(image_hw=_hw(9), frames=3, text_len=512),
+                         overrides=dict(in_channels=12, out_channels=4, image_dim=16, added_kv_proj_dim=64)),
+    "wan_ti2v": ModelCase("wan", dict(image_hw=_hw(16), frames=2, text_len=8, first_frame_timestep=True),
+                          dict(image_hw=_hw(9), frames=3, text_len=7, first_frame_timestep=True)),
+}
+# fmt: on
+ALL_MODELS = {**MODELS, **COND_MODELS}
+
 
 def build(name: str, length: str, seed: int) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The tiny model and its (single-process) inputs of case ``name`` at ``length``."""
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
-    case = MODELS[name]
+    case = ALL_MODELS[name]
     overrides = {**case.overrides, **(case.uneven_overrides if length == "uneven" else {})}
     model = tiny_model(case.kind, seed=seed, **overrides)
     kwargs = dict(case.even if length == "even" else case.uneven)
@@ -92,7 +118,7 @@ def build(name: str, length: str, seed: int) -> tuple[torch.nn.Module, dict[str,
 def sp_inputs(name: str, length: str, inputs: dict[str, Any], world: int) -> dict[str, Any]:
     """What the SP run gets: the same inputs, with the text padded to the degree (and a key mask over the
     padding) in the even case of the models that take one."""
-    case = MODELS[name]
+    case = ALL_MODELS[name]
     if not (case.pad_text and length == "even"):
         return inputs
     from sp_diffusers.padding import pad_text_batch

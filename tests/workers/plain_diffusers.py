@@ -24,6 +24,16 @@ def _max_diff(model, inputs, want) -> float:
     return float((got.float() - want.float()).abs().max())
 
 
+def _pipeline(folder) -> diffusers.DiffusionPipeline:
+    """The pipeline class the folder names, whole; a Qwen-Image-Edit processor only where transformers can build one
+    (it needs torchvision for a video processor an edit never uses: sp_diffusers.processors)."""
+    from transformers.utils import is_torchvision_available
+
+    index = json.loads((Path(folder) / "model_index.json").read_text())
+    extra = {"processor": None} if "processor" in index and not is_torchvision_available() else {}
+    return diffusers.DiffusionPipeline.from_pretrained(folder, **extra)
+
+
 def check(ref_file: str, export: str) -> dict:
     case = torch.load(ref_file, weights_only=False)
     export_dir = Path(export)
@@ -39,11 +49,11 @@ def check(ref_file: str, export: str) -> dict:
             model = cls.from_pretrained(case["pipeline"], subfolder=name)
             model.load_lora_adapter(str(export_dir), weight_name=weight, prefix="transformer")
             r["lora_adapter"] = _max_diff(model, inputs, want)
-            pipe = diffusers.DiffusionPipeline.from_pretrained(case["pipeline"])
+            pipe = _pipeline(case["pipeline"])
             extra = {"load_into_transformer_2": True} if name == "transformer_2" else {}
             pipe.load_lora_weights(str(export_dir), weight_name=weight, **extra)
             r["lora_pipeline"] = _max_diff(getattr(pipe, name), inputs, want)
-        pipe = diffusers.DiffusionPipeline.from_pretrained(export_dir)
+        pipe = _pipeline(export_dir)
         r["pipeline_class"] = type(pipe).__name__
         r["pipeline"] = _max_diff(getattr(pipe, name), inputs, want)
     return out

@@ -27,6 +27,30 @@ def train_runs(rank: int, world: int, runs: list[tuple[str, list[str], list[int]
     return out
 
 
+def _conditioned(config: Any, model: torch.nn.Module, base: Any, g: torch.Generator) -> tuple[Any, dict[str, Any]]:
+    """An image-conditioned run's adapter (as the trainer builds it) and a random condition of its shapes: the
+    transformer's inputs then hold condition tokens, CLIP tokens, per-token timesteps as in training."""
+    from sp_diffusers.flowgrpo.build import build_text_encoder
+    from sp_diffusers.flowgrpo.models.conditioning import conditioned_adapter
+    from sp_diffusers.flowgrpo.models.pipeline_io import condition_kind
+
+    kind = condition_kind(config)
+    if not kind:
+        return base, {}
+    pipe = build_text_encoder(config, torch.device("cpu")).pipe
+    adapter = conditioned_adapter(base, model, kind, pipe, config.model.condition_area)
+    if hasattr(adapter, "condition_grids") or hasattr(adapter, "condition_grid"):
+        h, w = getattr(adapter, "condition_grid", None) or adapter.condition_grids[0]
+        cond = {"condition_latents": torch.randn(2, h * w, adapter.channels, generator=g)}
+    else:
+        frames = 1 if adapter.expand_timesteps else adapter.frames
+        channels = adapter.channels + (0 if adapter.expand_timesteps else pipe.vae_scale_factor_temporal)
+        cond = {"condition_latents": torch.randn(2, channels, frames, adapter.height, adapter.width, generator=g)}
+        if adapter.image_embeds:
+            cond["condition_image_embeds"] = torch.randn(2, 17, model.config.image_dim, generator=g)
+    return adapter, {"condition": cond}
+
+
 def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
     """Fixed inputs for the run's transformer(s) and what the trained model returns on them: each trained expert
     built as the run built it, its checkpoint loaded by the engine's own resume path (one process), and the base
@@ -51,8 +75,10 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
             width = getattr(c, "joint_attention_dim", None) or c.text_dim
             embeds = torch.randn(2, config.text.max_sequence_length, width, generator=g)
             pooled = torch.randn(2, c.pooled_projection_dim, generator=g) if hasattr(c, "pooled_projection_dim") else None
+            adapter, condition = _conditioned(config, model, adapter, g)
             latents = torch.randn(adapter.latent_shape(2), generator=g)
-            inputs = adapter.inputs(latents, torch.tensor(600.0), embeds, torch.ones(2, embeds.shape[1], dtype=torch.bool), pooled)
+            mask = torch.ones(2, embeds.shape[1], dtype=torch.bool)
+            inputs = adapter.inputs(latents, torch.tensor(600.0), embeds, mask, pooled, **condition)
             inputs.pop("joint_attention_kwargs", None)  # SD3's text mask, all True here: the same as none
         with torch.no_grad():
             base[name] = model(**inputs, return_dict=False)[0]

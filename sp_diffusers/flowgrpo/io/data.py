@@ -1,5 +1,6 @@
 """Prompt data: ``.txt`` (one prompt a line) or ``.jsonl`` (``{"prompt": ..., other fields}``) files, read into rows,
-and the order a run visits them in.
+and the order a run visits them in. A ``.jsonl`` row may name condition images (``"image": "path"`` or
+``"images": [...]``, relative to the file's folder: ``images.py``) for the editing and image-to-video families.
 
 The training stream is every row once per epoch, in an order shuffled per epoch from ``train.seed``: position ``i``
 of the stream is row ``perm(epoch = i // N)[i % N]``. Each iteration takes the next ``dp x prompts_per_rank``
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from .images import resolve_images
 
 __all__ = ["PromptRow", "PromptStream", "read_prompts"]
 
@@ -26,16 +28,20 @@ __all__ = ["PromptRow", "PromptStream", "read_prompts"]
 class PromptRow:
     prompt: str
     metadata: dict[str, Any] = field(default_factory=dict)  # the row's other fields (what rewards read)
+    images: tuple[str, ...] = ()  # absolute paths of the row's condition images (``image`` / ``images``)
+    where: str = field(default="", compare=False)  # "file:line", for errors
 
 
 def read_prompts(path: str | Path, key: str = "data.train") -> list[PromptRow]:
-    """The rows of a ``.txt`` or ``.jsonl`` prompt file (blank lines skipped); errors name ``key``, file and line."""
+    """The rows of a ``.txt`` or ``.jsonl`` prompt file (blank lines skipped); errors name ``key``, file and line,
+    and a row's images are checked here (every rank reads the file: every rank refuses it alike)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{key}={str(path)!r}: no such file; fix: a .txt (one prompt a line) or .jsonl file")
     rows: list[PromptRow] = []
     if p.suffix == ".txt":
-        rows = [PromptRow(line.strip()) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = p.read_text(encoding="utf-8").splitlines()
+        rows = [PromptRow(line.strip(), where=f"{p}:{n}") for n, line in enumerate(lines, start=1) if line.strip()]
     elif p.suffix == ".jsonl":
         for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
@@ -48,7 +54,11 @@ def read_prompts(path: str | Path, key: str = "data.train") -> list[PromptRow]:
                 raise ConfigError(
                     f'{key}: {p}:{n} has no "prompt" string; fix: each line {{"prompt": "...", other fields}}'
                 )
-            rows.append(PromptRow(row["prompt"], {k: v for k, v in row.items() if k != "prompt"}))
+            where = f"{p}:{n}"
+            images = resolve_images(row, p.parent, where, key)
+            rows.append(
+                PromptRow(row["prompt"], {k: v for k, v in row.items() if k != "prompt"}, images, where)
+            )
     else:
         raise ConfigError(f"{key}={str(path)!r}: unknown format {p.suffix!r}; fix: a .txt or .jsonl file")
     if not rows:

@@ -53,6 +53,8 @@ def ode_sample(
         t = schedule.timesteps[i].to(x.device)
         v = velocity(step_engine, adapter, x, t, cond, cfg_scale, cfg_batch=cfg_batch)
         x = ode_step(x, v, float(schedule.sigmas[i]), float(schedule.sigmas[i + 1]))
+    if hasattr(adapter, "final_latents"):  # Wan2.2 TI2V: the first frame is the image's
+        x = adapter.final_latents(x, cond)
     return x
 
 
@@ -81,28 +83,32 @@ class Evaluator:
         return torch.randn(self.t.adapter.latent_shape(1), generator=g)
 
     def render(self, rows: list[PromptRow], indices: list[int]) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The final latents of ``rows`` (noise of ``indices``), in micro-batches; and the last batch's text (for
-        scoring: prompts and metadata)."""
+        """The final latents of ``rows`` (noise of ``indices``), in micro-batches; and, for an image-conditioned
+        family, ``{"source_pixels": [n, N, 3, H, W]}`` (what its rewards read), else ``{}``."""
         size = self.t.config.flowgrpo.micro_batch_size
         with self.t.weight_holder() as hold:  # gathered once for every micro-batch's steps
-            finals = [
+            parts = [
                 self._render_part(rows[lo : lo + size], indices[lo : lo + size], hold) for lo in range(0, len(rows), size)
             ]
-        return torch.cat(finals), {}
+        sources = [p[1] for p in parts if p[1] is not None]  # an image-conditioned family's source pixels
+        return torch.cat([p[0] for p in parts]), ({"source_pixels": torch.cat(sources)} if sources else {})
 
-    def _render_part(self, rows: list[PromptRow], indices: list[int], hold: Callable[[Any], Any]) -> torch.Tensor:
+    def _render_part(
+        self, rows: list[PromptRow], indices: list[int], hold: Callable[[Any], Any]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t, g = self.t, self.t.config.flowgrpo
         prompts = [r.prompt for r in rows]
         batch: dict[str, Any] = {
-            **t.text_encoder.encode_batch(prompts),
+            **t.encode_rows(rows, prompts),
             "latents": torch.cat([self.noise(i) for i in indices]),
         }
-        if g.cfg_scale > 1.0:
+        if g.cfg_scale > 1.0 and t.conditioner is None:
             batch.update(t.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
         batch = t.engine.prepare_batch(batch)
         with t.engine.eval_mode(), comm_phase("eval"):
             cond, noise = t._cond(batch), batch["latents"]
-            return ode_sample(t.engine, t.adapter, cond, noise, t.schedule, g.cfg_scale, t.config.rollout.cfg_batch, hold)
+            final = ode_sample(t.engine, t.adapter, cond, noise, t.schedule, g.cfg_scale, t.config.rollout.cfg_batch, hold)
+        return final, batch.get("source_pixels")
 
     def evaluate(self) -> dict[str, float]:
         """Every eval prompt once (ODE, fixed noise), scored: the mean total reward and each reward's mean."""
@@ -114,8 +120,8 @@ class Evaluator:
         mine += [mine[-1] if mine else 0] * (per - valid)  # repeats keep every rank's forwards in step
         rows = [self.eval_rows[i] for i in mine]
         with t.engine.ema_weights():  # the moving average where flowgrpo.ema keeps one
-            final, _ = self.render(rows, mine)
-        batch = {"prompts": [r.prompt for r in rows], "metadata": [r.metadata for r in rows]}
+            final, sources = self.render(rows, mine)
+        batch = {"prompts": [r.prompt for r in rows], "metadata": [r.metadata for r in rows], **sources}
         total, parts = t.score(final, batch)
         table = torch.stack([total, *parts.values(), torch.arange(per) < valid], dim=1).float()
         table = t._gather_dp(table)

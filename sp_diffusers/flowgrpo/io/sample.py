@@ -21,6 +21,31 @@ __all__ = ["render"]
 _VIDEO_SUFFIXES = (".mp4", ".gif")
 
 
+_CONDITIONED = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "FluxKontextPipeline", "WanImageToVideoPipeline")
+
+
+def _sources(pipe: Any, images: list[str] | None) -> list[Any] | None:
+    """The ``--image`` files as RGB images, for the pipelines conditioned on them (refused for the others)."""
+    name = type(pipe).__name__
+    if name not in _CONDITIONED:
+        if images:
+            raise ConfigError(f"--image: {name} takes no source image; fix: leave --image out")
+        return None
+    if not images:
+        raise ConfigError(f"{name} edits or animates a source image; fix: --image PATH")
+    if len(images) > 1 and name != "QwenImageEditPlusPipeline":
+        raise ConfigError(f"--image given {len(images)} times: {name} takes one; fix: one --image")
+    from PIL import Image
+
+    out = []
+    for path in images:
+        if not Path(path).is_file():
+            raise ConfigError(f"--image {path}: no such file; fix: the path of an image file")
+        with Image.open(path) as im:
+            out.append(im.convert("RGB"))
+    return out
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -65,8 +90,11 @@ def render(
     seed: int = 0,
     dtype: str = "fp32",
     max_sequence_length: int | None = None,
+    images: list[str] | None = None,
 ) -> Path | None:
-    """Render ``prompts`` with ``pipeline`` and write ``out`` on rank 0 (its path there; None elsewhere)."""
+    """Render ``prompts`` with ``pipeline`` and write ``out`` on rank 0 (its path there; None elsewhere); ``images``:
+    the source image(s) of an editing or image-to-video pipeline (each prompt is rendered with them, one call each,
+    as those pipelines take one image batch per call)."""
     import diffusers
     import torch.distributed as dist
 
@@ -81,7 +109,13 @@ def render(
     if ulysses < 1:
         raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype)
+    extra: dict[str, Any] = {}
+    if (Path(pipeline) / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
+        from ...processors import load_qwen_vl_processor
+
+        extra["processor"] = load_qwen_vl_processor(Path(pipeline) / "processor")
+    pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype, **extra)
+    sources = _sources(pipe, images)
     video = type(pipe).__name__.startswith("Wan")
     if video != (out.suffix.lower() in _VIDEO_SUFFIXES):
         kind = "a video pipeline: write .mp4 or .gif" if video else "an image pipeline: write .png"
@@ -109,8 +143,18 @@ def render(
             kwargs[key] = value
     if video and frames is not None:
         kwargs["num_frames"] = frames
-    result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
-    pixels = (result.frames if video else result.images).float().cpu()
+    if sources is None:
+        result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
+        pixels = (result.frames if video else result.images).float().cpu()
+    else:
+        if type(pipe).__name__ == "FluxKontextPipeline" and height and width:
+            kwargs["max_area"] = height * width  # Kontext scales the output to max_area (1 MP) otherwise
+        parts = []
+        for prompt in prompts:
+            kwargs.update(prompt=[prompt], image=sources if len(sources) > 1 else sources[0])
+            result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
+            parts.append((result.frames if video else result.images).float().cpu())
+        pixels = torch.cat(parts)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     return save_video(pixels, out) if video else save_image(pixels, out)

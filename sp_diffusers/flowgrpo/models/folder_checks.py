@@ -24,20 +24,34 @@ from ...model_kinds import KINDS
 from ..config import TINY_KIND, ConfigError, TrainConfig
 
 __all__ = [
+    "PIPELINE_CONDITIONS",
     "PIPELINE_FAMILIES",
     "TINY_KIND",
     "check_model_folder",
+    "condition_of",
     "missing_folder",
     "present",
     "read_index",
 ]
 
-# pipeline class -> model.kind (the families with a trainer adapter)
+# pipeline class -> model.kind (the families with a trainer adapter): the transformer's family
 PIPELINE_FAMILIES = {
     "QwenImagePipeline": "qwenimage",
     "FluxPipeline": "flux",
     "StableDiffusion3Pipeline": "sd3",
     "WanPipeline": "wan",
+    "QwenImageEditPipeline": "qwenimage",
+    "QwenImageEditPlusPipeline": "qwenimage",
+    "FluxKontextPipeline": "flux",
+    "WanImageToVideoPipeline": "wan",
+}
+# the image-conditioned pipelines -> how their condition reaches the transformer (conditioning.py; Wan's I2V
+# pipeline with expand_timesteps is Wan2.2 TI2V: "wan-ti2v")
+PIPELINE_CONDITIONS = {
+    "QwenImageEditPipeline": "qwen-edit",
+    "QwenImageEditPlusPipeline": "qwen-edit-plus",
+    "FluxKontextPipeline": "kontext",
+    "WanImageToVideoPipeline": "wan-i2v",
 }
 _CLASS_KINDS = {cls: kind for kind, cls in KINDS.items()}
 
@@ -144,6 +158,11 @@ def _needs(config: TrainConfig, index: dict[str, Any]) -> dict[str, str]:
     pixels = _pixel_rewards(c)
     if pixels:
         needs["vae"] = f"decodes pixels for the reward(s) {', '.join(pixels)}"
+    if condition_of(index):
+        needs["vae"] = "encodes the condition images"
+        for name in ("processor", "image_encoder", "image_processor"):  # Qwen-Image-Edit; Wan2.1 I2V's CLIP
+            if present(index, name):
+                needs[name] = "reads the condition images"
     if not c.text.pipeline:
         names = [n for n in index if n.startswith(("text_encoder", "tokenizer")) and present(index, n)]
         for name in sorted(set(names) | {"text_encoder", "tokenizer"}):
@@ -161,6 +180,13 @@ def _schedule_kind(config: TrainConfig) -> str:
 
     cls = ALGORITHMS.get(config.flowgrpo.algorithm)
     return cls.schedule_kind if cls is not None else "pipeline"
+
+
+def condition_of(index: dict[str, Any]) -> str:
+    """How a pipeline folder's condition reaches its transformer (``PIPELINE_CONDITIONS``; ``"wan-ti2v"`` for Wan's
+    I2V pipeline with ``expand_timesteps``), ``""`` for a text-to-image / text-to-video pipeline."""
+    kind = PIPELINE_CONDITIONS.get(index.get("_class_name", ""), "")
+    return "wan-ti2v" if kind == "wan-i2v" and index.get("expand_timesteps") else kind
 
 
 def _check_components(config: TrainConfig, index: dict[str, Any]) -> list[str]:

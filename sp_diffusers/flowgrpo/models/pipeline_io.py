@@ -16,12 +16,13 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, TrainConfig
-from .folder_checks import PIPELINE_FAMILIES, check_model_folder, present, read_index
+from .folder_checks import PIPELINE_FAMILIES, check_model_folder, condition_of, present, read_index
 
 __all__ = [
     "EXPERT_NAMES",
     "PIPELINE_FAMILIES",
     "boundary_ratio",
+    "condition_kind",
     "expert_names",
     "from_pretrained",
     "load_transformers",
@@ -49,6 +50,12 @@ def expert_names(config: TrainConfig) -> tuple[str, ...]:
         return ("transformer",)
     index = read_index(config.model.pipeline)
     return tuple(n for n in EXPERT_NAMES if present(index, n))
+
+
+def condition_kind(config: TrainConfig) -> str:
+    """How ``model.pipeline``'s condition images reach its transformer (``folder_checks.PIPELINE_CONDITIONS``): ``""``
+    for text-to-image and text-to-video."""
+    return condition_of(read_index(config.model.pipeline)) if config.model.pipeline else ""
 
 
 def boundary_ratio(config: TrainConfig) -> float | None:

@@ -15,7 +15,7 @@ frozen:
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -160,9 +160,20 @@ class PipelineTextEncoder:
     and T5 (``max_sequence_length`` tokens). Those transformers attend to every text token, padding included, so the
     masks are all True. ``QwenImagePipeline``: Qwen2.5-VL's last hidden states after the template, ragged, with a
     mask (its transformer masks the padding). Frozen, no gradients.
+
+    The editing and image-to-video pipelines (``CONDITIONED``) keep their VAE (and Wan2.1 I2V its CLIP image encoder):
+    the family's adapter prepares the condition with them (``conditioning.py``); Qwen-Image-Edit's prompts are read
+    with their image (``encode_batch(..., images=...)``).
     """
 
-    SUPPORTED = ("StableDiffusion3Pipeline", "WanPipeline", "QwenImagePipeline", "FluxPipeline")
+    # the image-conditioned pipelines encode text as their text-to-image family does (Qwen-Image-Edit: with the image)
+    CONDITIONED: ClassVar[dict[str, str]] = {
+        "QwenImageEditPipeline": "QwenImagePipeline",
+        "QwenImageEditPlusPipeline": "QwenImagePipeline",
+        "FluxKontextPipeline": "FluxPipeline",
+        "WanImageToVideoPipeline": "WanPipeline",
+    }
+    SUPPORTED = ("StableDiffusion3Pipeline", "WanPipeline", "QwenImagePipeline", "FluxPipeline", *CONDITIONED)
 
     def __init__(
         self,
@@ -183,6 +194,7 @@ class PipelineTextEncoder:
             )
         name = json.loads(index.read_text()).get("_class_name")
         self.pipeline_class = name
+        self.text_family = self.CONDITIONED.get(name, name)  # whose encode_prompt branch below applies
         if name not in self.SUPPORTED:
             raise ValueError(
                 f"text.pipeline={path!r} is a {name}; supported: {', '.join(self.SUPPORTED)} "
@@ -195,12 +207,18 @@ class PipelineTextEncoder:
             kwargs["torch_dtype"] = dtype  # newer diffusers also take `dtype`; every supported one takes this
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            if name == "WanPipeline" and "transformer_2" in json.loads(index.read_text()):
+            if name in ("WanPipeline", "WanImageToVideoPipeline") and "transformer_2" in json.loads(index.read_text()):
                 kwargs["transformer_2"] = None
-            self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, vae=None, **kwargs)
+            if name not in self.CONDITIONED:
+                kwargs["vae"] = None  # the conditioned pipelines encode their condition images with it
+            if name.startswith("QwenImageEdit"):
+                from ...processors import load_qwen_vl_processor
+
+                kwargs["processor"] = load_qwen_vl_processor(Path(path) / "processor")
+            self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, **kwargs)
         self.pipe.set_progress_bar_config(disable=True)
         self.device = torch.device(device)
-        for component in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae"):
             module = getattr(self.pipe, component, None)
             if module is not None:
                 module.to(self.device).requires_grad_(False).eval()
@@ -209,10 +227,10 @@ class PipelineTextEncoder:
     @property
     def hidden_size(self) -> int:
         """The width of the embeddings the transformer receives."""
-        if self.pipeline_class == "QwenImagePipeline":
+        if self.text_family == "QwenImagePipeline":
             config = self.pipe.text_encoder.config
             return int(getattr(config, "text_config", config).hidden_size)
-        encoder = {"WanPipeline": "text_encoder", "FluxPipeline": "text_encoder_2"}.get(self.pipeline_class, "text_encoder_3")
+        encoder = {"WanPipeline": "text_encoder", "FluxPipeline": "text_encoder_2"}.get(self.text_family, "text_encoder_3")
         return int(getattr(self.pipe, encoder).config.d_model)
 
     def _dense(self, prefix: str, embeds: torch.Tensor, pooled: torch.Tensor | None = None) -> dict[str, Any]:
@@ -227,10 +245,18 @@ class PipelineTextEncoder:
         return out
 
     @torch.no_grad()
-    def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
+    def encode_batch(self, prompts: list[str], prefix: str = "", images: list[Any] | None = None) -> dict[str, Any]:
         """``{prefix}prompt_embeds`` (list of ``[L, D]``), ``..._mask`` (all True), ``{prefix}pooled_prompt_embeds``
-        ``[B, P]`` (SD3 only): what the pipeline's ``__call__`` passes its transformer."""
-        if self.pipeline_class == "WanPipeline":
+        ``[B, P]`` (SD3 only): what the pipeline's ``__call__`` passes its transformer. ``images``: each prompt's
+        image(s) as the pipeline hands them to ``encode_prompt`` (Qwen-Image-Edit reads the prompt with them)."""
+        if images is not None and self.pipeline_class.startswith("QwenImageEdit"):
+            # one prompt at a time, as the pipeline encodes it: each with its own image(s)
+            parts = [self._qwen(prompt, image) for prompt, image in zip(prompts, images, strict=True)]
+            return {
+                f"{prefix}prompt_embeds": [e for p in parts for e in p[0]],
+                f"{prefix}prompt_embeds_mask": [m for p in parts for m in p[1]],
+            }
+        if self.text_family == "WanPipeline":
             embeds, _ = self.pipe.encode_prompt(
                 prompt=prompts,
                 do_classifier_free_guidance=False,
@@ -238,17 +264,10 @@ class PipelineTextEncoder:
                 device=self.device,
             )
             return self._dense(prefix, embeds)
-        if self.pipeline_class == "QwenImagePipeline":
-            # ragged, as the pipeline gives its transformer: each prompt's rows, a mask over them
-            embeds, mask = self.pipe.encode_prompt(
-                prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
-            )
-            lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(prompts)
-            return {
-                f"{prefix}prompt_embeds": [e[: int(n)].float().cpu() for e, n in zip(embeds, lengths, strict=True)],
-                f"{prefix}prompt_embeds_mask": [torch.ones(int(n), dtype=torch.bool) for n in lengths],
-            }
-        if self.pipeline_class == "FluxPipeline":
+        if self.text_family == "QwenImagePipeline":
+            embeds, masks = self._qwen(prompts)
+            return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": masks}
+        if self.text_family == "FluxPipeline":
             # CLIP pooled + T5 padded to max_sequence_length: the transformer attends to every T5 row
             embeds, pooled, _ = self.pipe.encode_prompt(
                 prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
@@ -263,3 +282,17 @@ class PipelineTextEncoder:
             max_sequence_length=self.max_sequence_length,
         )
         return self._dense(prefix, embeds, pooled)
+
+    def _qwen(self, prompts: list[str] | str, image: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Qwen-Image(-Edit)'s ``encode_prompt``: ragged, as the pipeline gives its transformer (each prompt's rows,
+        a mask over them)."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        extra = {} if image is None else {"image": image}
+        embeds, mask = self.pipe.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length, **extra
+        )
+        lengths = mask.sum(dim=1).tolist() if mask is not None else [embeds.shape[1]] * len(prompts)
+        return (
+            [e[: int(n)].float().cpu() for e, n in zip(embeds, lengths, strict=True)],
+            [torch.ones(int(n), dtype=torch.bool) for n in lengths],
+        )

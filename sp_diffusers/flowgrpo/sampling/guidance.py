@@ -35,8 +35,8 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def paired(cond: dict[str, Any]) -> dict[str, Any]:
-    """The text of both branches as one batch: ``prompt_embeds [2B, L, D]`` (conditional first), its mask, and the
-    pooled embeddings where the family has them; ``L`` the longer of the two texts."""
+    """The text of both branches as one batch: ``prompt_embeds [2B, L, D]`` (conditional first), its mask, the
+    pooled embeddings where the family has them and an image condition repeated; ``L`` the longer of the two texts."""
     pos, neg = cond["prompt_embeds"], cond["negative_prompt_embeds"]
     length = max(pos.shape[1], neg.shape[1])
     out = {
@@ -48,6 +48,9 @@ def paired(cond: dict[str, Any]) -> dict[str, Any]:
             ]
         ),
     }
+    for key, value in cond.items():  # an image condition is the same for both branches (conditioning.py)
+        if key.startswith("condition_"):
+            out[key] = torch.cat([value, value])
     if cond.get("pooled_prompt_embeds") is not None:
         out["pooled_prompt_embeds"] = torch.cat(
             [cond["pooled_prompt_embeds"], cond["negative_pooled_prompt_embeds"]]

@@ -123,7 +123,12 @@ def velocity(
     x = latents.to(dtype)
 
     def forward(x: torch.Tensor, t: torch.Tensor, embeds: str, mask: str, pooled: str, text: dict) -> torch.Tensor:
-        return engine.forward(**adapter.inputs(x, t, text[embeds].to(dtype), text[mask], text.get(pooled)))
+        # an image-conditioned family joins its condition_* tensors to the input and returns the noisy tokens' part
+        # of the output (models/conditioning.py)
+        condition = {k: v for k, v in text.items() if k.startswith("condition_")}
+        extra = {"condition": condition} if condition else {}
+        out = engine.forward(**adapter.inputs(x, t, text[embeds].to(dtype), text[mask], text.get(pooled), **extra))
+        return adapter.noisy_output(out) if condition else out
 
     names = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds")
     if cfg_scale > 1.0 and cfg_batch:
@@ -248,10 +253,15 @@ def rollout(
         torch.stack(stored, dim=1),
         log_prob_table,
         window_start,
-        x if final is None else final,
+        _final(adapter, x if final is None else final, cond),
         means=torch.stack(means, dim=1) if keep_means and means else None,
     )
 
+
+
+def _final(adapter: Any, final: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
+    """The reward's latents as the family's pipeline ends (Wan2.2 TI2V: the first frame is the image's)."""
+    return adapter.final_latents(final, cond) if hasattr(adapter, "final_latents") else final
 
 
 def _check_tail(tail: DPMTail, engine, sigmas: torch.Tensor, window_size: int, end: int, num_steps: int) -> None:
@@ -356,6 +366,7 @@ def _rollout_per_sample(
     starts_t = to_device(torch.tensor(starts, dtype=torch.long), x.device)
     steps = starts_t[:, None] + torch.arange(size, device=x.device)
     return Trajectory(
-        stored, log_probs, min(starts), x if final is None else final, train_steps=steps, starts=starts_t,
+        stored, log_probs, min(starts), _final(adapter, x if final is None else final, cond), train_steps=steps,
+        starts=starts_t,
         means=means,
     )  # fmt: skip

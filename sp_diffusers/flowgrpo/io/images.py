@@ -1,0 +1,88 @@
+"""Images in prompt rows: ``{"prompt": ..., "image": "path"}`` or ``"images": ["a.png", "b.png"]`` in a ``.jsonl`` file
+(paths relative to the file's folder), checked when the file is read and loaded when a batch needs them.
+
+Every rank reads the whole prompt file, so a missing or unreadable image is refused on every rank alike, before any
+model is built: one line naming the file, the row, the path and the fix (never a rank that fails alone while its
+peers wait in a collective). Reading a file's header is cheap (PIL reads no pixels until asked); a file whose pixels
+turn out broken later is refused when its batch loads it, naming the row the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+
+__all__ = ["IMAGE_FIELDS", "load_row_images", "resolve_images", "source_pixels"]
+
+IMAGE_FIELDS = ("image", "images")  # the row fields that name condition images
+
+
+def _fix(key: str) -> str:
+    return (
+        f"fix: a readable image file (PNG, JPEG, WebP, ...) at that path, relative to the {key} file's folder "
+        "or absolute; or drop the row"
+    )
+
+
+def resolve_images(row: dict[str, Any], base: Path, where: str, key: str) -> tuple[str, ...]:
+    """The absolute paths of ``row``'s ``image`` / ``images`` (``where``: ``file:line``), each checked to exist and
+    to open as an image; ``()`` for a row without them."""
+    from PIL import Image, UnidentifiedImageError
+
+    if "image" in row and "images" in row:
+        raise ConfigError(
+            f'{key}: {where} has both "image" and "images"; fix: one of them ("images": [...] for several)'
+        )
+    value = row.get("image", row.get("images"))
+    if value is None:
+        return ()
+    names = [value] if "image" in row else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n.strip() for n in names):
+        field = "image" if "image" in row else "images"
+        want = "a path string" if field == "image" else "a non-empty list of path strings"
+        raise ConfigError(
+            f'{key}: {where}: "{field}" is {value!r}, not {want}; fix: {{"prompt": ..., "{field}": ...}}'
+        )
+    out = []
+    for name in names:
+        path = (base / name).resolve()
+        if not path.is_file():
+            raise ConfigError(f"{key}: {where}: image {name!r} ({path}) does not exist; {_fix(key)}")
+        try:
+            with Image.open(path) as im:
+                _ = im.size  # the header parses
+        except (UnidentifiedImageError, OSError) as err:
+            raise ConfigError(
+                f"{key}: {where}: image {name!r} ({path}) cannot be read ({type(err).__name__}: {err}); {_fix(key)}"
+            ) from err
+        out.append(str(path))
+    return tuple(out)
+
+
+def load_row_images(paths: tuple[str, ...], where: str) -> list[Any]:
+    """The row's images as RGB ``PIL.Image``s (decoded now); a decoding failure names the row."""
+    from PIL import Image
+
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except Exception as err:
+            raise ConfigError(
+                f"{where}: image {path} cannot be decoded ({type(err).__name__}: {err}); fix: a readable image file"
+            ) from err
+    return images
+
+
+def source_pixels(images: list[Any], height: int, width: int) -> torch.Tensor:
+    """``[N, 3, height, width]`` uint8: a row's images at the output's size (bicubic), what rewards compare with."""
+    import numpy as np
+    from PIL import Image
+
+    arrays = [np.asarray(im.resize((width, height), Image.BICUBIC), dtype=np.uint8) for im in images]
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()

@@ -1,0 +1,138 @@
+"""Rows with images -> what an image-conditioned family's transformer reads beside the noisy latents, prepared once per
+prompt and shared by its group. The loop names no family: it asks the adapter.
+
+An image-conditioned adapter (``edit.py``: Qwen-Image-Edit, FLUX.1 Kontext; ``i2v.py``: Wan I2V / TI2V) has
+``conditioned = True`` and:
+
+- ``prepare_condition(pipe, images) -> (tensors, text_images)``: each row's images through the pipeline's own
+  preprocessing and VAE (and image encoder), as its ``__call__`` prepares them: ``condition_*`` tensors ``[R, ...]``,
+  and what the text encoder reads with each prompt (Qwen-Image-Edit: the image; None elsewhere);
+- ``inputs(latents, timestep, embeds, mask, pooled, condition)``: the forward kwargs with the condition joined
+  (sequence, channels, ids, per-token timesteps); ``noisy_output(out)``: the velocity of the noisy latents;
+  optionally ``final_latents(latents, condition)`` (TI2V's first frame).
+
+The batch carries ``condition_*`` tensors beside the text (the engine broadcasts them to the SP group like the text;
+``sampling/guidance.paired`` repeats them for the unconditional branch) and ``source_pixels`` ``[B, N, 3, H, W]``
+uint8: each row's images at the output size, which rewards read as ``metadata["source_image"]`` (``[3, H, W]`` float
+in [0, 1]) and ``metadata["source_images"]`` beside the row's own fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from ..io.data import PromptRow
+from ..io.images import load_row_images, source_pixels
+
+__all__ = ["ConditionEncoder", "build_conditioning", "conditioned_adapter", "is_conditioned", "with_sources"]
+
+
+def is_conditioned(adapter: Any) -> bool:
+    return bool(getattr(adapter, "conditioned", False))
+
+
+def conditioned_adapter(
+    base: Any, model: torch.nn.Module, kind: str, pipe: Any, area: int = 0, images: int = 1
+) -> Any:
+    """The adapter of condition ``kind`` (``folder_checks.PIPELINE_CONDITIONS``) over the family's ``base`` adapter;
+    ``pipe``: the loaded pipeline (its VAE's scales), ``area``: ``model.condition_area``, ``images``: per row."""
+    if kind in ("qwen-edit", "qwen-edit-plus", "kontext"):
+        from .edit import edit_adapter
+
+        return edit_adapter(base, kind, pipe, area, images)
+    if kind in ("wan-i2v", "wan-ti2v"):
+        from .i2v import wan_i2v_adapter
+
+        return wan_i2v_adapter(base, model, kind, pipe)
+    raise ValueError(f"no adapter for the condition {kind!r}")
+
+
+def _repeat(value: Any, times: int) -> Any:
+    if torch.is_tensor(value):
+        return value.repeat_interleave(times, dim=0)
+    return [v for v in value for _ in range(times)]
+
+
+class ConditionEncoder:
+    """``encode(rows, repeat, negative)``: the batch entries of ``rows`` (text, ``condition_*``, ``source_pixels``),
+    each row's repeated ``repeat`` times (its group), with the empty prompt's text for CFG when ``negative``."""
+
+    def __init__(self, text_encoder: Any, adapter: Any, pipeline_class: str) -> None:
+        self.text, self.adapter, self.pipeline_class = text_encoder, adapter, pipeline_class
+
+    def _images(self, rows: list[PromptRow]) -> list[list[Any]]:
+        want = self.adapter.images_per_row
+        out = []
+        for row in rows:
+            where = row.where or "a prompt"
+            if not row.images:
+                raise ConfigError(
+                    f"{where}: the row has no image, and model.pipeline is a {self.pipeline_class}, which is conditioned "
+                    f'on one; fix: {{"prompt": ..., "image": "path"}} in a .jsonl file (every row of data.train and '
+                    "data.eval)"
+                )
+            if len(row.images) != want:
+                raise ConfigError(
+                    f"{where}: {len(row.images)} image(s), but this run's rows have {want} each (one batch stacks its "
+                    f"rows' conditions); fix: {want} image(s) in every row"
+                )
+            out.append(load_row_images(row.images, where))
+        return out
+
+    @torch.no_grad()
+    def encode(self, rows: list[PromptRow], repeat: int = 1, negative: bool = False) -> dict[str, Any]:
+        images = self._images(rows)
+        condition, text_images = self.adapter.prepare_condition(self.text.pipe, images)
+        prompts = [r.prompt for r in rows]
+        out: dict[str, Any] = {**self.text.encode_batch(prompts, images=text_images), **condition}
+        if negative:
+            out.update(self.text.encode_batch([""] * len(rows), prefix="negative_", images=text_images))
+        h, w = self.adapter.output_pixels
+        out["source_pixels"] = torch.stack([source_pixels(im, h, w) for im in images])
+        return {k: _repeat(v, repeat) for k, v in out.items()}
+
+
+def with_sources(metadata: list[dict] | None, pixels: torch.Tensor | None, count: int) -> list[dict]:
+    """Each sample's metadata with its source image(s) as pixels: ``source_image`` ``[3, H, W]`` and
+    ``source_images`` (a list), float32 in [0, 1] on the CPU."""
+    metadata = list(metadata) if metadata is not None else [{} for _ in range(count)]
+    if pixels is None:
+        return metadata
+    images = pixels.detach().float().cpu() / 255.0
+    return [
+        {**m, "source_image": images[i, 0], "source_images": list(images[i])} for i, m in enumerate(metadata)
+    ]
+
+
+def build_conditioning(
+    config: Any, model: torch.nn.Module, text_encoder: Any, base: Any, rows: list[PromptRow]
+) -> tuple[Any, Any]:
+    """``(adapter, ConditionEncoder or None)`` for the run: ``base`` (the family's adapter) as it is for a
+    text-to-image / text-to-video pipeline, else the condition's adapter and encoder (``model.pipeline``'s condition,
+    ``pipeline_io.condition_kind``). ``rows``: the prompt rows (data.train, data.eval), which must carry images for a
+    conditioned pipeline and must not for another."""
+    from .pipeline_io import condition_kind
+
+    kind = condition_kind(config)
+    with_images = next((r for r in rows if r.images), None)
+    if not kind:
+        if with_images is not None:
+            raise ConfigError(
+                f'{with_images.where}: the row names an image ("image" / "images"), but model.pipeline='
+                f"{config.model.pipeline or '(none)'} is not conditioned on images; fix: an editing or image-to-video "
+                "pipeline folder (Qwen-Image-Edit, FLUX.1 Kontext, Wan I2V), or another field name for what your "
+                "reward reads"
+            )
+        return base, None
+    if not rows:
+        raise ConfigError(
+            f"model.pipeline={config.model.pipeline!r} is conditioned on images ({kind}): fix: data.train=<a .jsonl "
+            'file of {"prompt": ..., "image": "path"} rows>'
+        )
+    counts = {len(r.images) for r in rows if r.images}
+    images = max(counts) if counts else 1
+    adapter = conditioned_adapter(base, model, kind, text_encoder.pipe, config.model.condition_area, images)
+    return adapter, ConditionEncoder(text_encoder, adapter, type(text_encoder.pipe).__name__)

@@ -1,0 +1,85 @@
+"""The image-conditioned built-ins of the planner, as facts (``models.py`` builds their ``ModelSpec``s).
+
+Sources (the ``transformer/config.json`` of each repository, as diffusers' ``scripts/convert_wan_to_diffusers.py``
+writes the Wan ones; the edit models reuse their text-to-image transformer unchanged):
+- ``qwen-image-edit``: Qwen/Qwen-Image-Edit: Qwen-Image's transformer config (60 layers, 24 x 128 heads, in 64);
+  the condition image's packed tokens join the sequence (the pipeline resizes it to ~1 MP: at a ~1 MP output as many
+  condition tokens as output tokens).
+- ``flux.1-kontext-dev``: black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's transformer config (guidance-distilled);
+  the condition tokens join the sequence as for Qwen-Image-Edit.
+- ``wan2.1-i2v-14b-720p``: Wan-AI/Wan2.1-I2V-14B-720P-Diffusers: Wan2.1-14B with ``in_channels`` 36 (16 noisy + 4
+  mask + 16 first-frame latents), ``image_dim`` 1280 and ``added_kv_proj_dim`` 5120 (CLIP ViT-H: 257 image tokens
+  before the 512 text rows).
+- ``wan2.2-i2v-a14b``: Wan-AI/Wan2.2-I2V-A14B-Diffusers: two Wan2.1-14B-shaped experts with ``in_channels`` 36 and no
+  image encoder (``boundary_ratio`` 0.9).
+- ``wan2.2-ti2v-5b``: Wan-AI/Wan2.2-TI2V-5B-Diffusers: 30 layers, 24 x 128 heads, ffn 14336, ``in/out_channels``
+  48; its VAE (``AutoencoderKLWan`` of Wan2.2) compresses 16x in space and 4x in time; the first latent frame is the
+  image's and every token has its own timestep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["COND_SPECS", "WAN_14B"]
+
+WAN_14B: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "added_kv_proj_dim": None,
+}
+
+_QWEN_IMAGE = {
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+}
+_FLUX_DEV = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+
+# name -> (kind, family name in models.FAMILIES, config, condition, experts, source, default (h, w, frames))
+COND_SPECS: dict[str, tuple[str, str, dict[str, Any], str, int, str, tuple[int, int, int]]] = {
+    "qwen-image-edit": ("qwenimage", "qwenimage", _QWEN_IMAGE, "edit", 1, "Qwen/Qwen-Image-Edit", (1024, 1024, 1)),
+    "flux.1-kontext-dev": (
+        "flux", "flux", _FLUX_DEV, "edit", 1, "black-forest-labs/FLUX.1-Kontext-dev", (1024, 1024, 1),
+    ),
+    "wan2.1-i2v-14b-720p": (
+        "wan", "wan", {**WAN_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}, "i2v", 1,
+        "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers", (720, 1280, 81),
+    ),
+    "wan2.2-i2v-a14b": (
+        "wan", "wan", {**WAN_14B, "in_channels": 36}, "i2v", 2,
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers (transformer/ and transformer_2/: one config each)", (720, 1280, 81),
+    ),
+    "wan2.2-ti2v-5b": (
+        "wan", "wan2.2-5b",
+        {**WAN_14B, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336, "num_layers": 30},
+        "ti2v", 1, "Wan-AI/Wan2.2-TI2V-5B-Diffusers", (704, 1280, 121),
+    ),
+}  # fmt: skip

@@ -1,0 +1,166 @@
+"""Tiny parts of the image-conditioned pipelines (nothing downloaded): Qwen-Image-Edit's vision-language encoder with
+its processor, Wan2.1 I2V's CLIP vision encoder with its image processor, and VAEs that compress 8x like the released
+ones.
+
+- ``tiny_qwen_vl_processor``: a ``Qwen2VLProcessor`` whose tokenizer is the character tokenizer plus the chat and
+  vision special tokens (``<|vision_start|>``, ``<|image_pad|>``, ...), and a PIL ``Qwen2VLImageProcessor`` with
+  4-pixel patches merged 2 x 2 and few pixels (``max_pixels``): an edit prompt holds a handful of vision tokens.
+- ``tiny_qwen25vl_vision``: ``Qwen2_5_VLForConditionalGeneration`` whose config names those special tokens' ids, so
+  its vision tower reads the image the processor put in the prompt.
+- ``tiny_clip_vision``: ``CLIPVisionModel`` (32 x 32 images, 8-pixel patches: 17 tokens) + ``CLIPImageProcessor``.
+- 8x VAEs: the pipelines resize a condition image to about 1 MP (Qwen-Image-Edit, FLUX.1 Kontext) whatever the
+  output size; a 2x VAE would make that 65k condition tokens, an 8x one 4k, as the released VAEs do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .text_parts import WORDS, _seeded
+
+__all__ = [
+    "QWEN_VL_SPECIAL",
+    "save_qwen_vl_processor",
+    "tiny_autoencoder_kl_8x",
+    "tiny_clip_vision",
+    "tiny_qwen25vl_vision",
+    "tiny_qwen_vl_processor",
+    "tiny_qwenimage_vae_8x",
+    "tiny_wan_vae_4x",
+]
+
+# the Qwen2.5-VL chat / vision tokens the edit pipelines' templates use, appended to the character vocabulary
+QWEN_VL_SPECIAL = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def _token_id(token: str) -> int:
+    return len(WORDS) + QWEN_VL_SPECIAL.index(token)
+
+
+def tiny_qwen_vl_processor(max_length: int = 2048) -> Any:
+    """``Qwen2VLProcessor`` (``sp_diffusers.processors``): the character tokenizer with ``QWEN_VL_SPECIAL`` as single tokens, and a PIL image
+    processor (patch 4, merge 2, one temporal patch) capped at 32 x 32 pixels (16 vision tokens after merging)."""
+    from tokenizers import AddedToken
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..processors import qwen_vl_processor
+    from .text_parts import char_tokenizer
+
+    tokenizer = char_tokenizer(max_length)
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                AddedToken(t, special=True, normalized=False) for t in QWEN_VL_SPECIAL
+            ]
+        }
+    )
+    for token in QWEN_VL_SPECIAL:
+        assert tokenizer.convert_tokens_to_ids(token) == _token_id(token), token
+    images = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=1, min_pixels=8 * 8, max_pixels=32 * 32,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    return qwen_vl_processor(images, tokenizer)  # without torchvision: no video processor (processors.py)
+
+
+def save_qwen_vl_processor(processor: Any, folder: Any) -> Any:
+    """The processor's parts written as ``Qwen2VLProcessor.save_pretrained`` lays them out (``processors.py``)."""
+    from ..processors import save_qwen_vl_processor as save
+
+    return save(processor, folder)
+
+
+def tiny_qwen25vl_vision(seed: int, hidden: int = 32) -> Any:
+    """``Qwen2_5_VLForConditionalGeneration`` reading text and images (``tiny_qwen_vl_processor``'s tokens), ``hidden``
+    wide: one text layer, one vision block of 4-pixel patches merged 2 x 2."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    heads = 2
+    half = hidden // heads // 2  # mrope sections cover half a head (t, h, w)
+    vocab = len(WORDS) + len(QWEN_VL_SPECIAL)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=4096,
+            rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=1, fullatt_block_indexes=[0], window_size=8, in_chans=3,
+        ),
+        image_token_id=_token_id("<|image_pad|>"), video_token_id=_token_id("<|video_pad|>"),
+        vision_start_token_id=_token_id("<|vision_start|>"), vision_end_token_id=_token_id("<|vision_end|>"),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
+
+
+def tiny_clip_vision(seed: int, hidden: int = 16) -> tuple[Any, Any]:
+    """``(CLIPImageProcessor, CLIPVisionModel)``: 32 x 32 images in 8-pixel patches (16 + 1 tokens), ``hidden`` wide;
+    Wan2.1 I2V reads its penultimate hidden states (``image_dim`` = ``hidden``)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    config = CLIPVisionConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+        patch_size=8, projection_dim=hidden,
+    )  # fmt: skip
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32},
+        crop_size={"height": 32, "width": 32},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+    )
+    return processor, _seeded(seed, lambda: CLIPVisionModel(config)).eval()
+
+
+def tiny_autoencoder_kl_8x(seed: int, latent_channels: int, scaling: float, shift: float) -> Any:
+    """``AutoencoderKL`` (FLUX.1's VAE class) compressing 8x spatially (four blocks, as the released one)."""
+    from diffusers import AutoencoderKL
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(4, 4, 4, 4), layers_per_block=1, norm_num_groups=2, sample_size=64,
+            scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False,
+        ),
+    )  # fmt: skip
+
+
+def tiny_wan_vae_4x(seed: int, z_dim: int) -> Any:
+    """``AutoencoderKLWan`` compressing 4x in space and time: its encoder takes a first frame and then chunks of 4
+    frames, so an image-to-video condition (the first frame and zeros) needs the temporal factor 4 it is built for."""
+    from diffusers import AutoencoderKLWan
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLWan(
+            base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
+            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+            scale_factor_temporal=4, scale_factor_spatial=4,
+        ),
+    )  # fmt: skip
+
+
+def tiny_qwenimage_vae_8x(seed: int, z_dim: int) -> Any:
+    """``AutoencoderKLQwenImage`` compressing 8x spatially (three down blocks, as the released one)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLQwenImage(
+            base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            temperal_downsample=[False, False, False],
+            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+        ),
+    )  # fmt: skip

@@ -1,0 +1,98 @@
+"""Data rows with images (one process): ``"image"`` / ``"images"`` resolved from the file's folder, each checked to exist
+and open when the file is read (every rank reads it, so every rank refuses it alike), a refusal one line naming the
+file:line, the path and the fix - here and through ``sp-diffusers train --check``; the trainer's rules for rows on a
+pipeline with and without an image condition; the source pixels rewards receive."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sp_diffusers.flowgrpo.config import ConfigError
+from sp_diffusers.flowgrpo.io.data import read_prompts
+
+
+def _png(path, color=(200, 40, 40), size=(8, 12)):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((*size, 3), color, dtype=np.uint8)).save(path)
+    return path
+
+
+def test_rows_name_images_relative_to_the_file(tmp_path):
+    _png(tmp_path / "data" / "img" / "a.png")
+    _png(tmp_path / "data" / "img" / "b.png")
+    rows = [
+        {"prompt": "edit a", "image": "img/a.png", "color": "red"},
+        {"prompt": "edit both", "images": ["img/a.png", str(tmp_path / "data" / "img" / "b.png")]},
+        {"prompt": "no image"},
+    ]
+    (tmp_path / "data" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = read_prompts(tmp_path / "data" / "rows.jsonl")
+    img = (tmp_path / "data" / "img").resolve()
+    assert got[0].images == (str(img / "a.png"),) and got[0].metadata == {"image": "img/a.png", "color": "red"}
+    assert got[1].images == (str(img / "a.png"), str(img / "b.png"))
+    assert got[2].images == () and got[0].where.endswith("rows.jsonl:1")
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "x", "image": "missing.png"}, r"rows\.jsonl:2: image 'missing.png' \(.*missing\.png\) does not exist; fix: "),
+        ({"prompt": "x", "image": "not_an_image.png"}, r"rows\.jsonl:2: image 'not_an_image.png' .* cannot be read"),
+        ({"prompt": "x", "images": []}, r'rows\.jsonl:2: "images" is \[\], not a non-empty list of path strings'),
+        ({"prompt": "x", "image": 3}, r'rows\.jsonl:2: "image" is 3, not a path string'),
+        ({"prompt": "x", "image": "a.png", "images": ["a.png"]}, r'rows\.jsonl:2 has both "image" and "images"'),
+    ],
+)
+def test_a_bad_image_is_one_error_naming_the_row(tmp_path, row, message):
+    _png(tmp_path / "a.png")
+    (tmp_path / "not_an_image.png").write_text("plain text")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "ok", "image": "a.png"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=message) as err:
+        read_prompts(tmp_path / "rows.jsonl")
+    assert "\n" not in str(err.value) and str(err.value).startswith("data.train: ")
+
+
+def test_train_check_prints_one_line_for_a_missing_image(tmp_path, capsys):
+    from sp_diffusers.cli import main
+
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "x", "image": "gone.png"}) + "\n")
+    code = main(["train", "--check", "--set", f"data.train={tmp_path / 'rows.jsonl'}"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code != 0
+    lines = [ln for ln in text.splitlines() if "gone.png" in ln]
+    assert len(lines) == 1 and "rows.jsonl:1" in lines[0] and "fix:" in lines[0], text
+
+
+def test_rows_and_pipelines_must_agree(tmp_path):
+    from sp_diffusers.flowgrpo.config import TrainConfig
+    from sp_diffusers.flowgrpo.models.conditioning import ConditionEncoder, build_conditioning, with_sources
+
+    _png(tmp_path / "a.png")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "x", "image": "a.png"}) + "\n")
+    rows = read_prompts(tmp_path / "rows.jsonl")
+    with pytest.raises(ConfigError, match=r"rows\.jsonl:1: the row names an image .* is not conditioned on images; fix"):
+        build_conditioning(TrainConfig(), None, None, object(), rows)
+    adapter = type("A", (), {"images_per_row": 1, "output_pixels": (4, 6)})()
+    encoder = ConditionEncoder(None, adapter, "QwenImageEditPipeline")
+    bare = read_prompts(_txt(tmp_path))
+    with pytest.raises(ConfigError, match=r"p\.txt:1: the row has no image, and model\.pipeline is a QwenImageEditPipeline"):
+        encoder._images(bare)
+    # what rewards read: the source at the output's size, [3, H, W] in [0, 1], beside the row's fields
+    from sp_diffusers.flowgrpo.io.images import load_row_images, source_pixels
+
+    pixels = torch.stack([source_pixels(load_row_images(rows[0].images, rows[0].where), 4, 6)])
+    meta = with_sources([{"color": "red"}], pixels, 1)
+    assert meta[0]["color"] == "red" and meta[0]["source_image"].shape == (3, 4, 6)
+    assert torch.allclose(meta[0]["source_image"][:, 0, 0], torch.tensor([200, 40, 40]) / 255.0)
+
+
+def _txt(tmp_path):
+    (tmp_path / "p.txt").write_text("a red cat\n")
+    return tmp_path / "p.txt"

@@ -1,0 +1,76 @@
+"""The planner's image-conditioned built-ins (Qwen-Image-Edit, FLUX.1 Kontext-dev, Wan2.1 I2V-14B-720P, Wan2.2
+I2V-A14B, Wan2.2 TI2V-5B): their tokens count the condition (an edit's condition image joins the sequence), their
+released configs build, each traces one engine step through its plan at world size 8 with its condition's inputs
+(condition tokens, first-frame channels and 257 CLIP tokens, per-token timesteps), and ``sp-diffusers plan --model
+qwen-image-edit ...`` answers as for the others."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sp_diffusers.plan.models import BUILTIN, resolve_model
+from sp_diffusers.plan.shapes import build_inputs, workload_from_pixels, workload_from_tokens
+
+COND = ("qwen-image-edit", "flux.1-kontext-dev", "wan2.1-i2v-14b-720p", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
+
+
+@pytest.mark.parametrize(
+    "model, size, tokens",
+    [
+        ("qwen-image-edit", (1024, 1024, 1), 2 * 64 * 64),  # 4096 output + 4096 condition tokens
+        ("flux.1-kontext-dev", (1024, 1024, 1), 2 * 64 * 64),
+        ("wan2.1-i2v-14b-720p", (720, 1280, 81), 21 * 45 * 80),  # the condition is channels: no more tokens
+        ("wan2.2-i2v-a14b", (720, 1280, 81), 21 * 45 * 80),
+        ("wan2.2-ti2v-5b", (704, 1280, 121), 31 * 22 * 40),  # Wan2.2's VAE: 16x spatial, patch 2
+    ],
+)
+def test_tokens_count_the_condition(model, size, tokens):
+    spec = resolve_model(model)
+    work = workload_from_pixels(spec, *size)
+    assert work.tokens == tokens
+    assert ("condition tokens" in work.describe(spec)) == (spec.condition == "edit")
+
+
+def test_the_conditioned_builtins_trace_with_their_condition_at_world_size_8():
+    from sp_diffusers.plan.trace import TraceRequest, block_lists, run_trace
+
+    assert set(COND) <= set(BUILTIN) and BUILTIN["wan2.2-i2v-a14b"].experts == 2
+    for name in COND:
+        spec = BUILTIN[name]
+        work = workload_from_tokens(spec, 500, text_len=512 if spec.kind == "wan" else 31)
+        blocks = tuple((k, 1) for k in block_lists(spec))
+        train, _ = run_trace(TraceRequest(spec, work, 8, ulysses=2, ring=2, blocks=blocks, rollout=False))
+        parts = max(train.places.values(), key=lambda p: p["total"])
+        assert parts["parameters"] > 0 and parts["activations"] > 0, name
+        assert train.flops > 0 and {k for k, _ in train.comm} >= {"sp", "fsdp"}, (name, train.comm)
+
+
+def test_inputs_carry_each_condition():
+    import torch
+
+    from sp_diffusers.tiny import tiny_model
+
+    edit = resolve_model("qwen-image-edit")
+    with torch.device("meta"):
+        model = tiny_model("qwenimage")
+    work = workload_from_tokens(edit, 64, text_len=8)
+    inputs = build_inputs(edit, model, work)
+    assert inputs["hidden_states"].shape[1] == 128 and len(inputs["img_shapes"][0]) == 2
+    ti2v = resolve_model("wan2.2-ti2v-5b")
+    with torch.device("meta"):
+        wan = tiny_model("wan")
+    inputs = build_inputs(ti2v, wan, workload_from_tokens(ti2v, 64, text_len=8))
+    assert inputs["timestep"].dim() == 2  # one per token
+
+
+def test_plan_answers_for_qwen_image_edit(capsys):
+    from sp_diffusers.cli import main
+
+    # one layout (CI time): the full table (`--height 1024 --width 1024 --gpus 8`) enumerates 20 in ~2 minutes
+    argv = ["plan", "--model", "qwen-image-edit", "--height", "1024", "--width", "1024", "--gpus", "8"]
+    argv += ["--ulysses", "8", "--ring", "1", "--activation-checkpointing", "on", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recommended"] is not None and "8,192 tokens" in json.dumps(out)
