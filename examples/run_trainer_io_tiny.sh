@@ -4,12 +4,13 @@
 #   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan or wan2.2 for the others)
 #   FAMILY=qwenimage-edit bash examples/run_trainer_io_tiny.sh   # editing / I2V on image rows: flux-kontext,
 #                                                      # qwenimage-edit, wan-i2v, wan2.2-i2v, wan2.2-ti2v
+#   RUNS=/tmp/runs bash examples/run_trainer_io_tiny.sh  # where the pipeline, run and export go (default runs/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-family=${FAMILY:-qwenimage}
-pipe=runs/tiny-$family-pipeline run=runs/tiny-$family-sp2 out=runs/tiny-$family-export
+family=${FAMILY:-qwenimage} runs=${RUNS:-runs}
+pipe=$runs/tiny-$family-pipeline run=$runs/tiny-$family-sp2 out=$runs/tiny-$family-export
 [[ -f $pipe/model_index.json ]] || .venv/bin/python -c \
   "from sp_diffusers.tiny import save_tiny_pipeline; save_tiny_pipeline('$family', '$pipe', num_layers=2)"
 config=examples/configs/tiny_pipeline_sp2.yaml size=16 length=256 image=() extra=()

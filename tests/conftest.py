@@ -5,6 +5,7 @@ from __future__ import annotations
 
 # the slowest files on a 2-core machine, slowest first (`--durations`); the rest keep pytest's order after them
 SLOWEST_FIRST = (  # a clean-clone run's seconds per file, 2 workers
+    "test_examples_image_cond.py",  # ~180 (five torchrun recipes)
     "test_model_parity.py",  # 146
     "test_verl_omni.py",  # 131
     "test_faults.py",  # 101
