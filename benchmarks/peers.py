@@ -31,13 +31,13 @@ Peers are registry packages, never needed by the project; install them into a ve
 project's stays as CI builds it (``torch==2.13.0`` pinned in every pip command: their requirements would pull
 a CUDA torch)::
 
-    python -m venv /work/peers-venv && P=/work/peers-venv/bin/pip
+    python -m venv .venv-peers && P=.venv-peers/bin/pip
     $P install torch==2.13.0 diffusers==0.42.1 transformers peft accelerate matplotlib
     $P install torch==2.13.0 -e .                              # this checkout
     $P install torch==2.13.0 yunchang                          # pure Python; flash-attn is an optional extra
     DS_BUILD_OPS=0 $P install --no-deps deepspeed              # no kernels built, no CUDA torch pulled in
     $P install torch==2.13.0 einops hjson msgpack ninja numpy packaging psutil py-cpuinfo pydantic tqdm
-    /work/peers-venv/bin/python benchmarks/peers.py --json peers.json --plot peers.png
+    .venv-peers/bin/python benchmarks/peers.py --json peers.json --plot peers.png
 
 DeepSpeed on CPU builds its shared-memory comm op with ninja and the C++ compiler at its first initialisation
 (~40 s, cached under ~/.cache/torch_extensions); it is not used by the all-to-all measured here.
