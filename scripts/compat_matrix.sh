@@ -7,7 +7,8 @@
 #   bash scripts/compat_matrix.sh                        the rows of docs/compatibility.md
 #   bash scripts/compat_matrix.sh 3.12/2.15.0/5.24.0/0.42.1 [3.11/2.7.1/5.0.0/0.36.0/wheel ...]
 #
-# A row is PYTHON/TORCH/TRANSFORMERS/DIFFUSERS[/wheel]: the diffusers pip installs (the others of the
+# A row is PYTHON/TORCH/TRANSFORMERS/DIFFUSERS[/wheel] (TRANSFORMERS, DIFFUSERS: a version, or "latest": the newest
+# release, resolved today; CI installs the locks instead, so this is how a new release is tried): the diffusers pip installs (the others of the
 # diffusers matrix come from SP_DIFFUSERS_MATRIX_DIR, as in CI); "wheel" installs a wheel built from this
 # checkout instead of an editable install, and runs the main job from another directory. Checks per row:
 #   install   pip resolves the row with sp-diffusers[train] (the pins exactly as given)
@@ -43,6 +44,7 @@ DEFAULT_ROWS=(
   3.11/2.15.0/5.24.0/0.42.1
   3.12/2.15.0/5.24.0/0.42.1
   3.13/2.15.0/5.24.0/0.42.1
+  3.11/2.13.0/latest/latest
 )
 ROWS=("$@")
 [ ${#ROWS[@]} -gt 0 ] || ROWS=("${DEFAULT_ROWS[@]}")
@@ -98,15 +100,17 @@ step_install() {
     "$venv/bin/python" -m pip wheel -q --no-deps -w "$DIR/dist" "$ROOT"
     package=("$(ls "$DIR"/dist/sp_diffusers-*.whl)[train]")
   fi
-  "$venv/bin/python" -m pip install -q "torch==$torch_v" "transformers==$tf_v" "diffusers==$diff_v" \
-    "${package[@]}" pytest pytest-timeout "setuptools>=77"
+  local pins=("torch==$torch_v")  # "latest": whatever the index has newest today (a report, never CI's gate)
+  [ "$tf_v" = latest ] && pins+=(transformers) || pins+=("transformers==$tf_v")
+  [ "$diff_v" = latest ] && pins+=(diffusers) || pins+=("diffusers==$diff_v")
+  "$venv/bin/python" -m pip install -q --upgrade "${pins[@]}" "${package[@]}" pytest pytest-timeout "setuptools>=77"
   "$venv/bin/python" -m pip list 2>/dev/null |
     grep -i -E "^(torch|transformers|diffusers|peft|accelerate|huggingface.hub|numpy|sp.diffusers) "
 }
 step_pytest() { "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"; }
 step_parity() {
   step_pytest tests/test_readme.py tests/test_attention_ops.py tests/test_model_parity.py \
-    -k "test_readme or test_attention_parity or $diff_v-P2"
+    -k "test_readme or test_attention_parity or $("$venv/bin/python" -c 'import diffusers; print(diffusers.__version__)')-P2"
 }
 step_patches() {  # 0.36/0.37/0.42: where each patch is applied at least once, and skipped too (CI runs all 7)
   step_pytest tests/test_patches.py tests/test_install.py -k "not test_probe_defect_and_fix and \
@@ -156,6 +160,9 @@ print(torch.__version__ + (f" (CUDA {cuda} build, {torch.cuda.device_count()} GP
     r_main=$(run_check main "set -e; step_main")
   fi
   python_v=$("$venv/bin/python" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo "$py")
+  version_of() { "$venv/bin/python" -c "import $1; print($1.__version__)" 2>/dev/null; }
+  if [ "$tf_v" = latest ]; then tf_v="latest ($(version_of transformers))"; fi  # what a "latest" row resolved
+  if [ "$diff_v" = latest ]; then diff_v="latest ($(version_of diffusers))"; fi
   echo "| $(date +%F) | $python_v | $torch_desc | $tf_v | $diff_v${mode:+ ($mode)} | $r_install | $r_parity |" \
     "$r_patches | $r_engine | $r_main |" >>"$DIR/results.md"
   tail -n 1 "$DIR/results.md"

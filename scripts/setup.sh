@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
-# Set up .venv (Python 3.11, what CI tests) for one of two jobs; idempotent (a second run only checks).
+# Set up .venv (Python 3.11, what CI tests) for one of three jobs from its lock; idempotent (a second run only checks).
 #
-#   bash scripts/setup.sh          the main job: CPU torch 2.13.0 + sp-diffusers (editable) with [train]
-#   bash scripts/setup.sh verl     the verl examples: the above + verl 0.9.1
-#   bash scripts/setup.sh test     the tests: the above + [dev] and the diffusers compatibility matrix
-#                                  (each release in .dmatrix/<version>, used through PYTHONPATH)
+#   bash scripts/setup.sh          the main job: locks/main.txt (CPU torch 2.13.0, diffusers 0.42.1, [train])
+#   bash scripts/setup.sh verl     the verl examples: locks/verl.txt (the above + verl 0.9.1)
+#   bash scripts/setup.sh test     the tests: locks/test.txt (the above + [dev]) and the diffusers compatibility
+#                                  matrix (each release in .dmatrix/<version>, used through PYTHONPATH)
 #
+# Nothing is resolved here: uv (the version the lock pins, bootstrapped by pip) syncs the venv to the lock's exact
+# versions (adding what is missing, removing what the lock does not name), installs sp-diffusers itself (editable,
+# no build isolation: setuptools comes from the lock), then setup imports what the profile uses and runs `pip check`;
+# a failure is one line naming the broken package. A profile includes the ones before it (main < verl < test), at
+# the same versions. scripts/lock.sh regenerates the locks; docs/compatibility.md says why uv.
 # One progress line per step; pip's own output goes to .venv/setup.log (shown when a step fails).
 # SP_PYTHON chooses the interpreter, SP_VENV the environment, SP_DIFFUSERS_MATRIX(_DIR) the matrix.
 #
 # GPU machines: SP_TORCH=system keeps the torch that SP_PYTHON already has (a CUDA build): the environment
-# sees its site-packages (--system-site-packages) and every resolve pins that exact torch, so nothing
-# replaces it with the CPU build. The GPU examples run `SP_TORCH=system SP_VENV=.venv-gpu bash scripts/setup.sh`.
+# sees its site-packages (--system-site-packages) and the lock's torch line is left out, so nothing replaces it
+# with the CPU build. The GPU examples run `SP_TORCH=system SP_VENV=.venv-gpu bash scripts/setup.sh`.
+# Elsewhere without the CPU torch wheel at hand: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PROFILE=${1:-main}
-case "$PROFILE" in main | verl | test) ;; *) echo "usage: bash scripts/setup.sh [main|verl|test]" >&2; exit 2 ;; esac
+case "$PROFILE" in main) RANK=1 ;; verl) RANK=2 ;; test) RANK=3 ;;
+  *) echo "usage: bash scripts/setup.sh [main|verl|test]" >&2; exit 2 ;; esac
 PY=${SP_PYTHON:-python3}
 VENV=${SP_VENV:-.venv}
 MATRIX_DIR=${SP_DIFFUSERS_MATRIX_DIR:-.dmatrix}
 MATRIX_VERSIONS=${SP_DIFFUSERS_MATRIX:-"0.36.0 0.37.1 0.38.0 0.39.0 0.40.0 0.41.0 0.42.1"}
+LOCK=locks/$PROFILE.txt
 LOG="$VENV/setup.log"
 
 step() {  # step "what" command...: one line, the seconds it took; the log's tail on failure
@@ -43,49 +51,58 @@ if [ ! -x "$VENV/bin/python" ]; then
   if [ "$TORCH_SOURCE" = system ]; then "$PY" -m venv --system-site-packages "$VENV"; else "$PY" -m venv "$VENV"; fi
 fi
 : >"$LOG"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-$TORCH_SOURCE"
-TORCH="torch==2.13.0"
-TORCH_LABEL="torch 2.13.0 (CPU build)"
-if [ "$TORCH_SOURCE" = system ]; then
-  if ! TORCH_VERSION=$("$VENV/bin/python" -c 'import torch; assert torch.cuda.is_available(); print(torch.__version__)' 2>>"$LOG"); then
-    echo "[setup] SP_TORCH=system needs a torch with CUDA in $PY's site-packages, and a visible GPU (see $LOG)" >&2
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)  # only to bootstrap uv
+if [ "$TORCH_SOURCE" = system ] &&
+  ! "$VENV/bin/python" -c 'import torch; assert torch.cuda.is_available(); print(torch.__version__)' >>"$LOG" 2>&1; then
+  echo "[setup] SP_TORCH=system needs a torch with CUDA in $PY's site-packages, and a visible GPU (see $LOG)" >&2
+  exit 1
+fi
+
+# uv installs the locks: the version test.txt pins, bootstrapped by pip (one wheel, no dependencies).
+UV_PIN=$(grep -E '^uv==' locks/test.txt | cut -d' ' -f1)
+if [ "$("$VENV/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" != "${UV_PIN#uv==}" ]; then
+  step "$UV_PIN (the installer)" "${PIP[@]}" install -q --no-deps "$UV_PIN"
+fi
+UV=("$VENV/bin/uv" pip)
+mapfile -t SOURCES < <("$VENV/bin/python" scripts/pip_sources.py)  # uv does not read pip's configuration
+TARGET=(--python "$VENV/bin/python" --index-strategy unsafe-best-match "${SOURCES[@]}")
+
+# The stamp: which profile is installed, from which locks and scripts. A larger profile serves a smaller one.
+STAMP="$VENV/.sp-diffusers-env"
+want="$(cat locks/*.txt pyproject.toml scripts/setup.sh scripts/check_env.py scripts/pip_sources.py |
+  sha1sum | cut -c1-12)-$TORCH_SOURCE"
+have_rank=0 have_hash=
+[ -f "$STAMP" ] && read -r have_rank have_hash <"$STAMP"
+if [ "$have_hash" != "$want" ] || [ "$have_rank" -lt "$RANK" ]; then
+  rm -f "$STAMP"
+  pinned="$VENV/pinned.txt"  # the lock as installed (without torch where the system's is kept)
+  if [ "$TORCH_SOURCE" = system ]; then grep -v '^torch==' "$LOCK" >"$pinned"; else cp "$LOCK" "$pinned"; fi
+  # sync: exactly the lock's packages at its versions, whatever the venv held before (no resolve)
+  step "$(grep -c '^[a-z0-9].*==' "$pinned") packages from $LOCK ($(grep -E '^(torch|diffusers|transformers)==' \
+    "$pinned" | cut -d' ' -f1 | tr '\n' ' ' | sed 's/ $//'))" "${UV[@]}" sync "${TARGET[@]}" "$pinned"
+  step "sp-diffusers (editable)" "${UV[@]}" install --no-deps --no-build-isolation "${TARGET[@]}" -e .
+  printf '[setup] smoke import of the %s profile and pip check ... ' "$PROFILE"
+  start=$SECONDS
+  if ! broken=$("$VENV/bin/python" scripts/check_env.py smoke "$PROFILE" 2>>"$LOG"); then
+    echo "FAILED"
+    echo "[setup] $broken (docs/troubleshooting.md, 'The environment')" >&2
     exit 1
   fi
-  TORCH="torch==$TORCH_VERSION"
-  TORCH_LABEL="the system's torch $TORCH_VERSION (kept)"
-fi
-
-# torch is pinned in every resolve so nothing can pull a multi-GB CUDA build instead.
-if [ "$(cat "$VENV/.sp-diffusers-main" 2>/dev/null)" != "$want" ]; then
-  step "pip itself" "${PIP[@]}" --upgrade pip
-  step "$TORCH_LABEL, diffusers 0.42.1, sp-diffusers[train]" \
-    "${PIP[@]}" "$TORCH" "diffusers==0.42.1" -e ".[train]"
-  echo "$want" >"$VENV/.sp-diffusers-main"
-fi
-
-if [ "$PROFILE" != main ] && [ "$(cat "$VENV/.sp-diffusers-verl" 2>/dev/null)" != "$want" ]; then
-  # verl without its extras (they pin another torch); it pins transformers<5.11 and tensordict<=0.10
-  step "verl 0.9.1" "${PIP[@]}" "$TORCH" "diffusers==0.42.1" "verl==0.9.1" -e ".[train]"
-  echo "$want" >"$VENV/.sp-diffusers-verl"
+  echo "done ($((SECONDS - start)) s)"
+  echo "$RANK $want" >"$STAMP"
 fi
 
 if [ "$PROFILE" = test ]; then
-  if [ "$(cat "$VENV/.sp-diffusers-test" 2>/dev/null)" != "$want" ]; then
-    step "the test tools (sp-diffusers[dev])" \
-      "${PIP[@]}" "$TORCH" "diffusers==0.42.1" "verl==0.9.1" -e ".[dev]"
-    echo "$want" >"$VENV/.sp-diffusers-test"
-  fi
   mkdir -p "$MATRIX_DIR"
   missing=()
   for v in $MATRIX_VERSIONS; do
     [ -d "$MATRIX_DIR/$v/diffusers" ] || missing+=("$v")
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    install_matrix() {
+    install_matrix() {  # diffusers is pure Python: each release on its own, without its dependencies
       local pids=() v
       for v in "${missing[@]}"; do
-        "${PIP[@]}" --no-deps --target "$MATRIX_DIR/$v" "diffusers==$v" &
+        "${UV[@]}" install -q --no-deps --target "$MATRIX_DIR/$v" "${TARGET[@]}" "diffusers==$v" &
         pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p"; done
