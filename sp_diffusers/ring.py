@@ -37,6 +37,17 @@ __all__ = ["ring_attention"]
 _NEG_INF = float("-inf")
 
 
+def _logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``log(exp(a) + exp(b))`` whose every element is rounded alike wherever it sits in the tensor.
+
+    ``torch.logaddexp`` on CPU computes the SIMD body and the scalar tail of its loop differently (1 ulp apart),
+    so a row's result would depend on its position: a micro-batch shuffled for training would then differ from
+    its rollout in the last bit. ``exp`` and ``log1p`` have no such split. ``-inf`` for a row that saw no key."""
+    high = torch.maximum(a, b)
+    merged = high + torch.log1p(torch.exp(torch.minimum(a, b) - high))
+    return torch.where(torch.isneginf(high), high, merged)
+
+
 def _chunk_mask(
     mask: torch.Tensor | None,
     start: int,
@@ -162,7 +173,7 @@ class _RingAttention(torch.autograd.Function):
             )
             if visible:
                 o_j, lse_j, _ = attention_forward(q, kv[0], kv[1], chunk_mask, scale, causal)
-                new_lse = torch.logaddexp(lse, lse_j)
+                new_lse = _logaddexp(lse, lse_j)
                 # rows that saw no key yet keep lse -inf; exp(-inf - -inf) would be nan, so guard the shift
                 shift = torch.where(torch.isneginf(new_lse), 0.0, new_lse)
                 out.mul_(torch.exp(lse - shift)[..., None])

@@ -19,6 +19,7 @@ from .algorithms.selection import kept_samples
 from .models.experts import route
 from .sampling.guidance import WeightHolder
 from .sampling.rollout import Trajectory, evaluate_window_step, rollout
+from .update import micro_batches
 
 __all__ = ["collect", "gather_dp", "recompute_log_probs", "recompute_old_policy", "reward_phase", "rollout_phase"]
 
@@ -80,29 +81,46 @@ def recompute_log_probs(t: Any, batch: dict[str, Any], traj: Trajectory, hold: W
 def recompute_old_policy(
     t: Any, batch: dict[str, Any], traj: Trajectory, hold: WeightHolder, means: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``([B, T], [B, T, ...] or None)``: each trained step's log-prob under the current policy, as training will
-    evaluate it, and (``means``) its step mean."""
-    if traj.steps().shape[1] == 0:
+    """``([B, T], [B, T, ...] or None)``: each trained step's log-prob under the current policy and (``means``) its
+    step mean, evaluated on the micro-batches the update's first pass trains (``update.micro_batches`` of every
+    sample), so that the first optimizer step's forwards repeat these bit for bit: the on-policy ratio is exactly 1.
+    (Where the zero-advantage filter later drops samples the update's micro-batches differ: then within fp32
+    rounding.)"""
+    num_trained = traj.steps().shape[1]
+    if num_trained == 0:
         return traj.rollout_log_probs(), None  # no trained step (an empty window): [B, 0]
-    everyone = torch.arange(traj.latents.shape[0], device=traj.latents.device)
-    cond = t._cond(batch)
-    log_probs, step_means = [], []
-    for k in range(traj.steps().shape[1]):
-        step = evaluate_window_step(
-            hold(route(t.engine, traj.host_step(k))),
-            t.adapter,
-            *traj.step_latents(everyone, k)[1:],
-            t.schedule,
-            traj.steps()[:, k],
-            cond,
-            t.rule,
-            t.config.flowgrpo.cfg_scale,
-            t.config.rollout.cfg_batch,
-        )
-        log_probs.append(step.log_prob)
-        if means:  # kept only when asked: T x the latents otherwise
-            step_means.append(step.prev_sample_mean)
-    return torch.stack(log_probs, dim=1), torch.stack(step_means, dim=1) if means else None
+    g = t.config.flowgrpo
+    n = traj.latents.shape[0]
+    log_probs: torch.Tensor | None = None
+    step_means: torch.Tensor | None = None
+    for mini in micro_batches(torch.arange(n), g.mini_batches, g.micro_batch_size, batch["shuffle_seed"]):
+        for micro in mini:
+            idx = to_device(micro, traj.latents.device)
+            cond = t._cond(batch, idx)
+            for k in range(num_trained):
+                steps, latents, next_latents = traj.step_latents(idx, k)  # as the update's step_loss reads them
+                step = evaluate_window_step(
+                    hold(route(t.engine, traj.host_step(k))),
+                    t.adapter,
+                    latents,
+                    next_latents,
+                    t.schedule,
+                    steps,
+                    cond,
+                    t.rule,
+                    g.cfg_scale,
+                    t.config.rollout.cfg_batch,
+                )
+                if log_probs is None:
+                    log_probs = step.log_prob.new_empty((n, num_trained))
+                log_probs[idx, k] = step.log_prob
+                if means:  # kept only when asked: T x the latents otherwise
+                    if step_means is None:
+                        shape = (n, num_trained, *step.prev_sample_mean.shape[1:])
+                        step_means = step.prev_sample_mean.new_empty(shape)
+                    step_means[idx, k] = step.prev_sample_mean
+    assert log_probs is not None
+    return log_probs, step_means
 
 
 def reward_phase(t: Any, batch: dict[str, Any], traj: Trajectory) -> tuple[torch.Tensor, dict[str, float]]:

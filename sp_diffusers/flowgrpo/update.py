@@ -26,9 +26,18 @@ from .algorithms.base import Algorithm, StepContext
 from .models.experts import route
 from .sampling.rollout import Trajectory
 
-__all__ = ["policy_update"]
+__all__ = ["micro_batches", "policy_update"]
 
 CondFn = Callable[[torch.Tensor], dict[str, Any]]  # sample indices -> the text conditioning of those samples
+
+
+def micro_batches(indices: torch.Tensor, mini_batches: int, micro_batch_size: int, seed: int) -> list[tuple]:
+    """One pass's mini-batches (one optimizer step each), each a tuple of micro-batches of host sample indices:
+    ``indices`` shuffled by ``seed``, cut into ``mini_batches`` chunks, each split into ``micro_batch_size``.
+    The recomputed old log-probs run the first pass's micro-batches too, so that a trained step repeats their
+    arithmetic bit for bit (the same GEMM shapes; docs/training.md, "The on-policy ratio")."""
+    perm = indices[torch.randperm(indices.numel(), generator=torch.Generator().manual_seed(seed))]
+    return [mini.split(micro_batch_size) for mini in perm.chunk(mini_batches)]
 
 
 def policy_update(
@@ -59,11 +68,7 @@ def policy_update(
     count = 0
     optim_metrics: dict[str, float] = {}
     for epoch in range(g.inner_epochs if indices.numel() else 0):
-        perm = indices[
-            torch.randperm(indices.numel(), generator=torch.Generator().manual_seed(shuffle_seed + epoch))
-        ]
-        for mini in perm.chunk(g.mini_batches):
-            micros = mini.split(g.micro_batch_size)
+        for micros in micro_batches(indices, g.mini_batches, g.micro_batch_size, shuffle_seed + epoch):
             normalizer = float(len(micros) * num_trained)
             engine.zero_grad()
             # held: gathered at the first micro-step, resharded before the optimizer changes the shards

@@ -6,12 +6,14 @@ batch, as the trainer runs both branches in one):
 
     rollout        N forwards without grad at batch B (x2): the first gathers the parameters; while they are held
                    (``rollout.gather_params``) the others gather nothing, else every forward gathers the blocks
-    old_log_probs  T forwards at batch B (x2) on the same weights (recomputed old log-probs)
+    old_log_probs  B / M micro-batches x T forwards without grad at batch M (x2) on the same weights: the
+                   recomputed old log-probs, on the micro-batches the update trains (bit for bit its arithmetic)
     train          B / M micro-batches x T trained steps, each a forward and backward at batch M (x2)
     optimizer      one AdamW step (clipping's norm)
 
 One fake run per layout traces the pieces in the order the trainer meets them, from the state it leaves between
-iterations (the root module resharded): two rollout forwards, two training micro-steps, the optimizer step, each
+iterations (the root module resharded): two rollout forwards (and two at the micro-batch, for the old log-probs),
+two training micro-steps, the optimizer step, each
 under a :class:`~sp_diffusers.ledger.CommLedger` (the same counting the trainer writes to metrics.jsonl, the
 same bytes). What the first of a kind costs beyond the next (the rollout's gathers; the root module's own parameters,
 which FSDP2 keeps gathered after a forward until a backward, and the trainer reshards after a rollout) is in the
@@ -83,12 +85,15 @@ class RLKnobs:
 @dataclass
 class Pieces:
     """Each traced piece's ledger: the rollout's first and next forwards with the weights held (``held_*``) and
-    gathered per forward (``step_*``), the first and next training micro-steps, the optimizer step."""
+    gathered per forward (``step_*``), a next forward at the micro-batch both ways (``recompute_*``: the old
+    log-probs), the first and next training micro-steps, the optimizer step."""
 
     held_first: Ledger
     held_next: Ledger
     step_first: Ledger
     step_next: Ledger
+    recompute_held: Ledger
+    recompute_step: Ledger
     train_first: Ledger
     train_next: Ledger
     optimizer: Ledger
@@ -113,9 +118,10 @@ def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool, update_he
     first, nxt = (pieces.held_first, pieces.held_next) if held else (pieces.step_first, pieces.step_next)
     _axpy(out, first, 1)
     _axpy(out, nxt, rl.num_steps - 1)
-    if rl.recompute_old_log_probs:
-        _axpy(out, nxt, rl.trained_steps, phase="old_log_probs")
     micro_steps = rl.samples // micro_batch * rl.trained_steps
+    if rl.recompute_old_log_probs:
+        recompute = pieces.recompute_held if held else pieces.recompute_step
+        _axpy(out, recompute, micro_steps, phase="old_log_probs")
     train_first, train_next = (
         (pieces.update_first, pieces.update_next) if update_held else (pieces.train_first, pieces.train_next)
     )
@@ -184,6 +190,8 @@ def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: 
     with ledger.recording():
         step_first, step_next = _rollout_pair(engine, inputs, rollout_batch, False, ledger)
         held_first, held_next = _rollout_pair(engine, inputs, rollout_batch, True, ledger)
+        recompute_step = _rollout_pair(engine, inputs, train_batch, False, ledger)[1]
+        recompute_held = _rollout_pair(engine, inputs, train_batch, True, ledger)[1]
 
         def loss_fn(eng: Any, _batch: Any) -> tuple[torch.Tensor, dict]:
             kwargs = inputs(train_batch, torch.full((train_batch,), 500.0))
@@ -209,7 +217,8 @@ def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: 
         engine.optimizer_step()
         ledger.take()
     return Pieces(
-        held_first, held_next, step_first, step_next, train_first, train_next, optimizer, update_first, update_next
+        held_first, held_next, step_first, step_next, recompute_held, recompute_step, train_first, train_next,
+        optimizer, update_first, update_next,
     )
 
 
@@ -230,6 +239,8 @@ def iteration_seconds(
     fwd = rollout_forward["compute"] + rollout_forward["sp_comm"]
     exposed = max(0.0, gather_seconds - rollout_forward["compute"])
     rollout = rl.num_steps * fwd + (exposed if held else rl.num_steps * exposed)
-    old = rl.trained_steps * (fwd + (0.0 if held else exposed)) if rl.recompute_old_log_probs else 0.0
+    # the old log-probs: the compute of T rollout forwards, in B / M micro-batches that each gather unless held
+    micro_batches = rl.samples // micro_batch
+    old = rl.trained_steps * (fwd + (0.0 if held else micro_batches * exposed)) if rl.recompute_old_log_probs else 0.0
     train = rl.samples // micro_batch * rl.trained_steps * train_step["total"]
     return {"rollout": rollout, "old_log_probs": old, "train": train, "total": rollout + old + train}

@@ -109,8 +109,11 @@ def guard_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
         ("all", dict(sde_steps="all", per_sample_windows=False)),
         ("all_rollout_means", dict(sde_steps="all", per_sample_windows=False, recompute_old_log_probs=False)),
         ("per_sample_windows", {}),
+        # micro-batches of 2 of the 8 samples: the old log-probs are recomputed on the same micro-batches
+        ("micro_batches_of_2", dict(sde_steps="all", per_sample_windows=False, micro_batch_size=2)),
     ):
-        fresh = _trainer(_guard_config(sp, ring, prompts_per_rank=2, group_size=4, micro_batch_size=8, **keys))
+        keys = {"micro_batch_size": 8, **keys}
+        fresh = _trainer(_guard_config(sp, ring, prompts_per_rank=2, group_size=4, **keys))
         fresh_batch = fresh.engine.prepare_batch(fresh.iteration_batch(0))
         traj, adv, old, _ = fresh.collect(fresh_batch)
         m = fresh.update(fresh_batch, traj, adv, old)
