@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 DESCRIPTION = (
@@ -28,6 +29,7 @@ DESCRIPTION = (
 )
 USAGE_ERROR = 2
 RUN_FAILED = 1  # the command was right; the run failed in a way its message explains (a reward)
+QUIET_RANK_WAIT = 30.0  # seconds a rank that does not report waits for rank 0's report under torchrun
 
 
 def _rank() -> int:
@@ -367,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        elif os.environ.get("TORCHELASTIC_RUN_ID"):
+            # torchrun stops every rank as soon as one fails: a quiet rank that exits first could stop rank 0
+            # before it printed the error. Rank 0's exit stops this wait at once.
+            time.sleep(QUIET_RANK_WAIT)
         return RUN_FAILED if isinstance(err, _run_failures()) else USAGE_ERROR
 
 
