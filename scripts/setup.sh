@@ -7,7 +7,9 @@
 #                                  matrix (each release in .dmatrix/<version>, used through PYTHONPATH)
 #
 # Nothing is resolved here: uv (the version the lock pins, bootstrapped by pip) syncs the venv to the lock's exact
-# versions (adding what is missing, removing what the lock does not name), installs sp-diffusers itself (editable,
+# versions (adding what is missing, removing what the lock does not name) and compiles their bytecode (where
+# PYTHONDONTWRITEBYTECODE is set, as on CI, nothing else would, and every process would recompile torch, diffusers and
+# transformers at import: seconds each, the suite twice as slow), installs sp-diffusers itself (editable,
 # no build isolation: setuptools comes from the lock), then setup imports what the profile uses and runs `pip check`;
 # a failure is one line naming the broken package. A profile includes the ones before it (main < verl < test), at
 # the same versions. scripts/lock.sh regenerates the locks; docs/compatibility.md says why uv.
@@ -79,7 +81,7 @@ if [ "$have_hash" != "$want" ] || [ "$have_rank" -lt "$RANK" ]; then
   if [ "$TORCH_SOURCE" = system ]; then grep -v '^torch==' "$LOCK" >"$pinned"; else cp "$LOCK" "$pinned"; fi
   # sync: exactly the lock's packages at its versions, whatever the venv held before (no resolve)
   step "$(grep -c '^[a-z0-9].*==' "$pinned") packages from $LOCK ($(grep -E '^(torch|diffusers|transformers)==' \
-    "$pinned" | cut -d' ' -f1 | tr '\n' ' ' | sed 's/ $//'))" "${UV[@]}" sync "${TARGET[@]}" "$pinned"
+    "$pinned" | cut -d' ' -f1 | tr '\n' ' ' | sed 's/ $//'))" "${UV[@]}" sync --compile-bytecode "${TARGET[@]}" "$pinned"
   step "sp-diffusers (editable)" "${UV[@]}" install --no-deps --no-build-isolation "${TARGET[@]}" -e .
   printf '[setup] smoke import of the %s profile and pip check ... ' "$PROFILE"
   start=$SECONDS
@@ -102,7 +104,7 @@ if [ "$PROFILE" = test ]; then
     install_matrix() {  # diffusers is pure Python: each release on its own, without its dependencies
       local pids=() v
       for v in "${missing[@]}"; do
-        "${UV[@]}" install -q --no-deps --target "$MATRIX_DIR/$v" "${TARGET[@]}" "diffusers==$v" &
+        "${UV[@]}" install -q --no-deps --compile-bytecode --target "$MATRIX_DIR/$v" "${TARGET[@]}" "diffusers==$v" &
         pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p"; done
