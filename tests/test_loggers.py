@@ -86,6 +86,7 @@ def test_wandb_offline_writes_every_iteration_and_a_resumed_run_continues_it(tmp
     assert rows[0]["comm/rollout/param_gather_bytes"] == 64.0  # the ledger's keys as metrics.jsonl has them
     assert config["flowgrpo"] == {"num_steps": 8}  # the run's config
     run_id = (out / "wandb_run_id").read_text()
+    time.sleep(1.1)  # W&B names a session's folder by the second it starts: two sessions, two folders
     _log(out, 4, 6)  # a restart from the checkpoint: the same W&B run
     assert (out / "wandb_run_id").read_text() == run_id
     assert len(glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}"))) == 2
