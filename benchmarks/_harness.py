@@ -223,7 +223,7 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
 
 def max_over_ranks(x: float) -> float:
     """The largest ``x`` over all ranks (timings and memory are reported for the slowest/largest rank)."""
-    from sp_diffusers.devices import collective_device
+    from sp_diffusers.parallel.devices import collective_device
 
     t = torch.tensor([x], dtype=torch.float64).to(collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -78,7 +78,7 @@ def _implementations(config, world: int, rank: int, before_tree: str | None = No
     ``ours_before`` is the ``sp_diffusers`` of the checkout ``before_tree`` (imported as ``sp_before``)."""
     from diffusers.models.attention_dispatch import _native_attention
 
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
 
     group = dist.group.WORLD
     fns = {

@@ -58,8 +58,8 @@ def _variants(
     """The benchmarked callables for one sequence length (inputs built once, outside the timing)."""
     from diffusers.models.attention_dispatch import _native_attention
 
-    from sp_diffusers.attention import ulysses_sdpa_attention
-    from sp_diffusers.comm import heads_to_seq, seq_to_heads
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.exchange import heads_to_seq, seq_to_heads
 
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(S)

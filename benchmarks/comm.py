@@ -70,7 +70,7 @@ def counting(counter: _Counter):
     """Count every collective and point-to-point send issued inside the block."""
     import torch.distributed._functional_collectives as funcol
 
-    from sp_diffusers import handshake
+    from sp_diffusers.parallel import agreement as handshake
 
     originals = {
         (handshake, "gather_ints"): handshake.gather_ints,
@@ -150,7 +150,7 @@ def count_rank(rank: int, world: int, seq: int, heads: int, head_dim: int, batch
     from diffusers.utils import logging as dlogging
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
 
     dlogging.set_verbosity(logging.ERROR)
     dev = device()

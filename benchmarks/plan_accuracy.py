@@ -6,7 +6,7 @@ CPU processes (gloo), over tokens x SP degree x activation checkpointing x LoRA 
                                        [--plot out.png]
     python benchmarks/plan_accuracy.py --long --tokens 65536   # SP = 2, checkpointing, one point (LONG model)
 
-Prediction: ``sp_diffusers.plan`` with ``target="cpu"`` (a CPU process's habits), fp32, world = SP degree.
+Prediction: ``sp_diffusers.planner`` with ``target="cpu"`` (a CPU process's habits), fp32, world = SP degree.
 Measured on every rank, on two consecutive steps, two ways:
 - the growth of the process's peak resident memory over a step run without any tracker (``/proc/self/clear_refs``
   <- 5 resets the high-water mark, ``VmHWM`` reads it), against the predicted peak less the predicted memory at
@@ -52,7 +52,7 @@ LORA_RANK = 8
 
 
 def narrow_spec(config: dict | None = None):
-    from sp_diffusers.plan.models import FAMILIES, ModelSpec
+    from sp_diffusers.planner.models import FAMILIES, ModelSpec
 
     return ModelSpec(
         "narrow-wan", "wan", dict(config or NARROW), FAMILIES["wan"], source="benchmarks/plan_accuracy.py"
@@ -61,9 +61,9 @@ def narrow_spec(config: dict | None = None):
 
 def predict(tokens: int, sp: int, ckpt: bool, lora: bool, config: dict | None = None) -> dict:
     """The planner's figures for one point (world = Ulysses degree = sp)."""
-    from sp_diffusers.plan.hardware import hardware
-    from sp_diffusers.plan.planner import PlanRequest, make_plan
-    from sp_diffusers.plan.shapes import workload_from_tokens
+    from sp_diffusers.planner.hardware import hardware
+    from sp_diffusers.planner.planner import PlanRequest, make_plan
+    from sp_diffusers.planner.shapes import workload_from_tokens
 
     spec = narrow_spec(config)
     req = PlanRequest(
@@ -120,11 +120,11 @@ def measure_rank(
     from diffusers.utils import logging as dlogging
 
     import sp_diffusers
-    from sp_diffusers import comm
     from sp_diffusers.engine.settings import EngineSettings, LoraSettings
-    from sp_diffusers.plan.shapes import build_inputs, workload_from_tokens
-    from sp_diffusers.plan.trace import create_optimizer_state, plan_loss
-    from sp_diffusers.plan.tracker import make_tracker
+    from sp_diffusers.parallel import exchange as comm
+    from sp_diffusers.planner.shapes import build_inputs, workload_from_tokens
+    from sp_diffusers.planner.trace import create_optimizer_state, plan_loss
+    from sp_diffusers.planner.tracker import make_tracker
 
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore")

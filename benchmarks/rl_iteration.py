@@ -14,7 +14,7 @@ per rank); ``video`` the video step's narrow Wan (2 layers, 16 latent frames of 
 4096 video tokens), 1 prompt x group 2. Both at ``--steps`` denoising steps with CFG ``--cfg``,
 2 trained steps. The learning rate is 0, so every repetition repeats the same iteration. Iterations run
 interleaved (before, after, before, ...; ranks start each together) and the median is reported with the ratio; the
-ledger (``sp_diffusers.ledger``) gives rank 0's bytes per kind of one iteration of each.
+ledger (``sp_diffusers.parallel.ledger``) gives rank 0's bytes per kind of one iteration of each.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _rank(rank: int, world: int, workload: str, steps: int, cfg: float, repeats:
     from diffusers.utils import logging as dlogging
 
     from sp_diffusers.flowgrpo.trainer import FlowGRPOTrainer
-    from sp_diffusers.ledger import CommLedger
+    from sp_diffusers.parallel.ledger import CommLedger
 
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore")

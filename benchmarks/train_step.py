@@ -48,7 +48,7 @@ def _make(args, backend: str):
     torch.manual_seed(0)
     trainer = FlowGRPOTrainer(c)
     if backend == "native":
-        from sp_diffusers.patches import native_ulysses
+        from sp_diffusers.patching.patches import native_ulysses
 
         native_ulysses.revert()  # diffusers' own Ulysses: recomputing backward, as shipped
         trainer.engine.model.set_attention_backend("native")

@@ -53,7 +53,7 @@ def bench_rank(
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
 
     mesh = init_device_mesh(device().type, (1, world), mesh_dim_names=("ring", "ulysses"))
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=world))

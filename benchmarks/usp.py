@@ -47,7 +47,7 @@ def _allgather_ring(
     query, key, value, group, attn_mask=None, is_causal=False, scale=None, kv_sizes=None, q_start=None
 ):
     """Drop-in for ``ring_attention`` that all-gathers K/V over the ring (``[B, H, S/R, D]`` layout)."""
-    from sp_diffusers.comm import gather_seq
+    from sp_diffusers.parallel.gathers import gather_seq
 
     k, v = gather_seq([key.transpose(1, 2), value.transpose(1, 2)], group, kv_sizes)
     return F.scaled_dot_product_attention(query, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
@@ -76,7 +76,7 @@ def bench_rank(rank: int, world: int, seqs: list[int], heads: int, head_dim: int
 def _bench_seq(
     rank: int, world: int, S: int, heads: int, head_dim: int, repeats: int, configs: dict
 ) -> list[dict]:
-    from sp_diffusers import attention
+    from sp_diffusers.parallel import attention
 
     g = torch.Generator().manual_seed(S)
     full = [torch.randn(1, S, heads, head_dim, generator=g).to(device()) for _ in range(4)]

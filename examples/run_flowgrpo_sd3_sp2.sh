@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FlowGRPO on a tiny SD3.5-style model (real SD3Transformer2DModel) with Ulysses SP = 2 on 2 CPU processes.
-# diffusers has no context-parallel plan for SD3: sp_diffusers.install() attaches one (sp_diffusers/plans.py).
+# diffusers has no context-parallel plan for SD3: sp_diffusers.install() attaches one (sp_diffusers/patching/plans.py).
 #   bash examples/run_flowgrpo_sd3_sp2.sh                 # prompts through the built-in byte-level encoder
 #   PIPELINE=1 bash examples/run_flowgrpo_sd3_sp2.sh      # a tiny StableDiffusion3Pipeline folder is written
 #       first; the transformer is loaded from it and prompts go through its own CLIP-L/CLIP-G/T5 encoders,

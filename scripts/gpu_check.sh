@@ -27,7 +27,7 @@ mkdir -p "$STAGE/site"
 if [ -n "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$STAGE/site" "$WHEELS"/*.whl
 fi
-# sp_diffusers as it installs (its patches are sp_diffusers/patches/ in the tree too)
+# sp_diffusers as it installs (its patches are sp_diffusers/patching/patches/ in the tree too)
 cp -r sp_diffusers "$STAGE/site/sp_diffusers"
 export PYTHONPATH="$STAGE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -61,7 +61,7 @@ def _op_case(rank, world, device, dtype, kernel, size, config) -> dict[str, Any]
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
 
     s, heads, head_dim = size
     g = torch.Generator().manual_seed(0)
@@ -95,7 +95,7 @@ def _model_case(rank, world, device, dtype) -> dict[str, Any]:
     import torch.distributed as dist
 
     import sp_diffusers
-    from sp_diffusers.devices import to_device
+    from sp_diffusers.parallel.devices import to_device
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
     model = tiny_model("qwenimage", seed=0, dtype=dtype).to(device)

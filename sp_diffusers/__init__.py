@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .registry import BACKEND_NAME
+from .patching.backend_registration import BACKEND_NAME
 
 __version__ = "0.1.0"
 
@@ -35,21 +35,21 @@ __all__ = [
 ]
 
 _LAZY = {
-    "install": ("installer", "install"),
-    "uninstall": ("installer", "uninstall"),
-    "is_installed": ("installer", "is_installed"),
-    "InstallReport": ("installer", "InstallReport"),
-    "context_parallel_config": ("cp_config", "context_parallel_config"),
-    "build_device_mesh": ("mesh", "build_device_mesh"),
+    "install": ("patching.installer", "install"),
+    "uninstall": ("patching.installer", "uninstall"),
+    "is_installed": ("patching.installer", "is_installed"),
+    "InstallReport": ("patching.installer", "InstallReport"),
+    "context_parallel_config": ("patching.cp_config", "context_parallel_config"),
+    "build_device_mesh": ("parallel.mesh", "build_device_mesh"),
     "FSDPEngine": ("engine", "FSDPEngine"),
     "EngineSettings": ("engine", "EngineSettings"),
     "LoraSettings": ("engine", "LoraSettings"),
     "OptimSettings": ("engine", "OptimSettings"),
-    "pad_text_batch": ("padding", "pad_text_batch"),
-    "sync_sp_gradients": ("gradients", "sync_sp_gradients"),
-    "sp_degree": ("gradients", "sp_degree"),
-    "set_rank_agreement": ("forward_scope", "set_rank_agreement"),
-    "ulysses_sdpa_attention": ("attention", "ulysses_sdpa_attention"),
+    "pad_text_batch": ("parallel.padding", "pad_text_batch"),
+    "sync_sp_gradients": ("parallel.gradients", "sync_sp_gradients"),
+    "sp_degree": ("parallel.gradients", "sp_degree"),
+    "set_rank_agreement": ("parallel.agreement", "set_rank_agreement"),
+    "ulysses_sdpa_attention": ("parallel.attention", "ulysses_sdpa_attention"),
 }
 
 

@@ -68,7 +68,7 @@ def _engine_factory(choice: str, verl_keys: bool):
 
 def _config(args: argparse.Namespace):
     from .flowgrpo.config import load_config
-    from .integrations.verl_overrides import translate_overrides
+    from .integrations.verl.overrides import translate_overrides
 
     plan = translate_overrides(list(args.overrides or []))  # verl-style hydra overrides (and our keys)
     overrides = plan.overrides + list(args.set or [])
@@ -238,7 +238,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .plan.command import run
+    from .planner.command import run
 
     return run(args)
 
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(p_demo)
     p_demo.set_defaults(func=_demo)
-    from .plan.command import add_arguments as plan_arguments
+    from .planner.command import add_arguments as plan_arguments
 
     p_plan = sub.add_parser(
         "plan",
@@ -334,10 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
     """The errors that mean "your command or config is wrong": shown as one block, without a traceback."""
-    from .compat import UnsupportedDiffusersError
     from .engine.checkpoint import CheckpointError
     from .flowgrpo.config import ConfigError
-    from .mesh import MeshError
+    from .parallel.mesh import MeshError
+    from .patching.compat import UnsupportedDiffusersError
 
     return (ConfigError, MeshError, CheckpointError, UnsupportedDiffusersError, FileNotFoundError, ValueError)
 

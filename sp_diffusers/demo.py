@@ -23,8 +23,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .devices import collective_device, default_device, to_device
-from .launch import init_distributed
+from .parallel.devices import collective_device, default_device, to_device
+from .parallel.launch import init_distributed
 
 DEMO_ATOL = 1e-5
 DEMO_RTOL = 1e-4
@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     from diffusers.utils import logging as dlogging
 
     import sp_diffusers
-    from sp_diffusers.tiny import tiny_inputs, tiny_model
+
+    from .tiny import tiny_inputs, tiny_model
 
     init_distributed(required_by="demo")
     dlogging.set_verbosity(logging.ERROR)

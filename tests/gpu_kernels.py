@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from sp_diffusers import kernels
+from sp_diffusers.parallel import kernels
 
 TOLERANCE = {torch.bfloat16: (3e-2, 1e-1), torch.float32: (1e-4, 1e-3), torch.float64: (1e-10, 1e-9)}
 

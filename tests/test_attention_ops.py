@@ -85,7 +85,7 @@ USP_LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (ulysses, ring) on 4 ranks; dp = 4 / (
 
 @pytest.mark.parametrize(("ulysses", "ring"), USP_LAYOUTS, ids=[f"u{u}_r{r}" for u, r in USP_LAYOUTS])
 def test_ulysses_x_ring_parity(ulysses, ring):
-    """Ulysses x Ring: K/V stream around the ring, partial results merge by log-sum-exp (sp_diffusers.ring).
+    """Ulysses x Ring: K/V stream around the ring, partial results merge by log-sum-exp (sp_diffusers.parallel.ring).
 
     fp32 cases: same bar as above (ATOL; the merge adds one rescale per chunk, O(1e-7)). Every case also
     runs with the plain-math chunk kernel ("math:"), the path for non-CPU devices. bf16: the result is

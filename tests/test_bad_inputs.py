@@ -83,7 +83,7 @@ def _second_run(tmp_path):
 def _old_diffusers(monkeypatch):
     import diffusers
 
-    from sp_diffusers import compat
+    from sp_diffusers.patching import compat
 
     compat.diffusers_version.cache_clear()
     monkeypatch.setattr(diffusers, "__version__", "0.35.2")
@@ -417,7 +417,7 @@ CASES = [
     ),
     (
         "return_lse",
-        lambda mp, tp: __import__("sp_diffusers.attention", fromlist=["x"]).ulysses_sdpa_attention(
+        lambda mp, tp: __import__("sp_diffusers.parallel.attention", fromlist=["x"]).ulysses_sdpa_attention(
             torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), return_lse=True
         ),
         ValueError,

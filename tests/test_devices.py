@@ -1,4 +1,4 @@
-"""``sp_diffusers.devices`` and the host reads of the rollout/update path, in one process.
+"""``sp_diffusers.parallel.devices`` and the host reads of the rollout/update path, in one process.
 
 Host reads are counted by a dispatch mode on ``aten._local_scalar_dense`` (what ``.item()``, ``float()``,
 ``bool()`` of a tensor dispatch to): on CPU they cost nothing, on a GPU each one stops the host until the GPU
@@ -13,7 +13,13 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sp_diffusers.devices import collective_device, default_device, device_of, fetch_scalars, to_device
+from sp_diffusers.parallel.devices import (
+    collective_device,
+    default_device,
+    device_of,
+    fetch_scalars,
+    to_device,
+)
 
 
 @contextlib.contextmanager

@@ -40,14 +40,14 @@ from ._parity import PARITY_EPS, PARITY_LR, adam_resumed_step_tolerance, worst_g
     ],
 )
 def test_replica_groups_must_hold_whole_sp_groups(world, ulysses, ring, replicate, message):
-    from sp_diffusers.mesh import MeshError, ParallelDims
+    from sp_diffusers.parallel.mesh import MeshError, ParallelDims
 
     with pytest.raises(MeshError, match=message):
         ParallelDims(world, ulysses, ring, replicate)
 
 
 def test_hsdp_degrees():
-    from sp_diffusers.mesh import ParallelDims
+    from sp_diffusers.parallel.mesh import ParallelDims
 
     dims = ParallelDims(16, 2, 2, 2)  # 2 nodes of 8: dp 4 = 2 replicas x 2 within, each node 2 SP groups of 4
     assert (dims.dp, dims.sp, dims.shard) == (4, 4, 8)
@@ -76,7 +76,7 @@ FSDP_SIZE = "actor_rollout_ref.actor.fsdp_config.fsdp_size"
 def test_verl_fsdp_size_is_the_shard_group():
     """verl's ``create_device_mesh``: fsdp_size < 0 or = world shards over all ranks, a proper divisor N is a
     ``(world / N, N)`` = (ddp, fsdp) mesh: HSDP with world / N replica groups."""
-    from sp_diffusers.integrations.verl_config import (
+    from sp_diffusers.integrations.verl.config import (
         dp_replicate_of,
         engine_settings,
         fsdp_size_of,
@@ -122,7 +122,7 @@ def test_verl_fsdp_size_is_the_shard_group():
 )
 def test_verl_override_maps_fsdp_size(overrides, expected):
     from sp_diffusers.flowgrpo.config import ConfigError, load_config
-    from sp_diffusers.integrations.verl_overrides import translate_overrides
+    from sp_diffusers.integrations.verl.overrides import translate_overrides
 
     if isinstance(expected, str):
         with pytest.raises(ConfigError, match=expected):
@@ -212,7 +212,7 @@ def test_ledger_counts_the_cross_replica_all_reduce_as_grad_reduce(resumed):
 def test_verl_configs_carry_dp_replicate_as_fsdp_size(monkeypatch):
     """``fsdp_engine_via_verl``'s configs: dp_replicate out as verl's fsdp_size and back, on a world of 8."""
     from sp_diffusers.engine import EngineSettings
-    from sp_diffusers.integrations import verl_config
+    from sp_diffusers.integrations.verl import config as verl_config
 
     monkeypatch.setattr(verl_config, "_world", lambda: 8)
     for replicate, fsdp_size in ((1, -1), (2, 4), (4, 2)):

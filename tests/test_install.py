@@ -20,7 +20,7 @@ def test_import_changes_nothing():
         "assert 'ulysses_sdpa' not in {m.value for m in AttentionBackendName}\n"
         "assert not hasattr(ModelMixin.set_attention_backend, '__wrapped__')\n"
         "assert not hasattr(_AttentionBackendRegistry._backends[AttentionBackendName.NATIVE], '__wrapped__')\n"
-        "from sp_diffusers.patches import ALL_PATCHES\n"
+        "from sp_diffusers.patching.patches import ALL_PATCHES\n"
         "assert not any(p.is_applied() for p in ALL_PATCHES)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -39,7 +39,7 @@ def test_install_is_idempotent_and_reports(installed):
     import diffusers
 
     import sp_diffusers
-    from sp_diffusers.patches import ALL_PATCHES
+    from sp_diffusers.patching.patches import ALL_PATCHES
 
     assert sp_diffusers.install() is installed
     text = str(installed)
@@ -85,7 +85,7 @@ def test_uninstall_reverts_everything():
     from diffusers.models.attention_dispatch import AttentionBackendName
 
     import sp_diffusers
-    from sp_diffusers.patches import ALL_PATCHES
+    from sp_diffusers.patching.patches import ALL_PATCHES
 
     sp_diffusers.install()
     sp_diffusers.uninstall()
@@ -98,7 +98,7 @@ def test_uninstall_reverts_everything():
 def test_unsupported_diffusers_version_is_refused(monkeypatch):
     import diffusers
 
-    from sp_diffusers import compat
+    from sp_diffusers.patching import compat
 
     compat.diffusers_version.cache_clear()
     monkeypatch.setattr(diffusers, "__version__", "0.35.2")
@@ -137,7 +137,7 @@ def test_bad_configurations_raise_clear_errors():
 def test_plans_are_attached_only_where_diffusers_has_none(installed):
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-    from sp_diffusers import plans
+    from sp_diffusers.patching import plans
 
     statuses = {p.model_class: p for p in installed.plans}
     assert statuses["SD3Transformer2DModel"].attached
@@ -150,7 +150,7 @@ def test_user_registered_plan_is_attached_and_detached():
     from diffusers import SanaTransformer2DModel
 
     import sp_diffusers
-    from sp_diffusers import plans
+    from sp_diffusers.patching import plans
 
     sp_diffusers.uninstall()
     plan = {"proj_out": "sentinel"}
@@ -168,7 +168,7 @@ def test_user_registered_plan_is_attached_and_detached():
 
 def test_a_wheel_works_from_any_directory(tmp_path):
     """`pip install .` (not editable), then use it from another directory and from the source tree, whose
-    own sp_diffusers/ comes first on sys.path there: both must find sp_diffusers.patches."""
+    own sp_diffusers/ comes first on sys.path there: both must find sp_diffusers.patching.patches."""
     import shutil
     import zipfile
     from pathlib import Path
@@ -183,7 +183,7 @@ def test_a_wheel_works_from_any_directory(tmp_path):
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True)
     (wheel,) = (tmp_path / "dist").glob("sp_diffusers-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    patch_files = {f"sp_diffusers/patches/{p.name}" for p in (root / "sp_diffusers" / "patches").glob("*.py")}
+    patch_files = {f"sp_diffusers/patching/patches/{p.name}" for p in (root / "sp_diffusers" / "patches").glob("*.py")}
     assert len(patch_files) > 10 and patch_files <= names, sorted(patch_files - names)
     assert {n.split("/")[0] for n in names} == {"sp_diffusers", wheel.name.split("-py3")[0] + ".dist-info"}
     site = tmp_path / "site"
@@ -191,9 +191,9 @@ def test_a_wheel_works_from_any_directory(tmp_path):
 
     code = (
         "import sys\n"
-        # the test environment's editable install would find sp_diffusers.patches by its own map: drop it
+        # the test environment's editable install would find sp_diffusers.patching.patches by its own map: drop it
         "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
-        "import sp_diffusers, sp_diffusers.patches as p\n"
+        "import sp_diffusers, sp_diffusers.patching.patches as p\n"
         "report = sp_diffusers.install()\n"
         "assert any(s.applied for s in report.patches), str(report)\n"
         "print(sp_diffusers.__file__, p.__file__, sep='\\n')\n"
@@ -213,8 +213,8 @@ def test_a_wheel_works_from_any_directory(tmp_path):
 def test_cpu_device_count_probe_survives_a_cuda_build_without_a_driver(monkeypatch):
     """PyPI's Linux torch is a CUDA build; on a host without the NVIDIA driver torch 2.7-2.10's
     ``torch.accelerator.device_count()`` raises where 2.11+ return 0. Both are a CPU-only host."""
-    from sp_diffusers.compat import diffusers_version
-    from sp_diffusers.patches import cpu_device_count as patch
+    from sp_diffusers.patching.compat import diffusers_version
+    from sp_diffusers.patching.patches import cpu_device_count as patch
 
     def no_driver() -> int:
         raise RuntimeError("Found no NVIDIA driver on your system. Please check that you have an NVIDIA GPU")

@@ -1,4 +1,4 @@
-"""The kernel layer (``sp_diffusers.kernels``) in one process: which kernel each device and dtype gets, and that
+"""The kernel layer (``sp_diffusers.parallel.kernels``) in one process: which kernel each device and dtype gets, and that
 each path the CPU can run gives SDPA's output and gradients.
 
 Tolerances: fp32 ``atol 2e-6`` (the CPU flash kernel and SDPA's math sum the same O(1) products of S <= 40
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sp_diffusers import kernels
+from sp_diffusers.parallel import kernels
 
 
 def _inputs(dtype, heads=4, kv_heads=4, sq=40, skv=33, d=16, seed=0):

@@ -1,60 +1,36 @@
 """The house rules of docs/architecture.md, read from the code's own imports: dependencies point one way
-(every import, lazy ones included, goes to a module on the same floor or below), no import circles of any
-kind (module-level, type-only under ``TYPE_CHECKING``, and lazy imports inside functions all count), and no
-module past ~400 lines."""
+(every import, lazy ones included, goes to a package on the same floor or below), no import circles of any
+kind (module-level, type-only under ``TYPE_CHECKING``, and lazy imports inside functions all count), and a
+module past ~800 lines is worth a look (a warning: size is a smell, never a reason to split one idea)."""
 
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_LINES = 400
+LARGE = 800  # lines: past this, ask whether a module holds two ideas
 
-# floor of each module (a prefix names a package); a module may import its own floor and the floors below
+# the floor of each package (and of the modules at the root); a module may import its own floor and the floors below
 FLOORS = {
-    "sp_diffusers.devices": 0,
-    "sp_diffusers.ledger": 0,
-    "sp_diffusers.comm": 0,
-    "sp_diffusers.exchange": 0,
-    "sp_diffusers.ring": 0,
-    "sp_diffusers.cp_groups": 0,
-    "sp_diffusers.padding": 0,
-    "sp_diffusers.launch": 0,
-    "sp_diffusers.model_kinds": 0,
-    "sp_diffusers.handshake": 0,
-    "sp_diffusers.kernels": 0,
-    "sp_diffusers.gathers": 0,
-    "sp_diffusers.forward_scope": 0,
-    "sp_diffusers.masks": 0,
-    "sp_diffusers.scheduler_configs": 0,
-    "sp_diffusers.attention": 1,
-    "sp_diffusers.registry": 2,
-    "sp_diffusers.compat": 2,
-    "sp_diffusers.mesh": 2,
-    "sp_diffusers.gradients": 2,
-    "sp_diffusers.patches": 3,
-    "sp_diffusers.plans": 3,
-    "sp_diffusers.scope_hooks": 3,
-    "sp_diffusers.installer": 4,
-    "sp_diffusers.cp_config": 4,
-    "sp_diffusers.tiny": 4,
-    "sp_diffusers": 4,  # the package's face: lazy re-exports only
-    "sp_diffusers.engine": 5,
-    "sp_diffusers.flowgrpo": 6,
-    "sp_diffusers.integrations": 7,
-    "sp_diffusers.plan": 7,
-    "sp_diffusers.demo": 7,
-    "sp_diffusers.cli": 8,
+    "sp_diffusers.parallel": 0,  # the SP core: attention, exchange, ring, masks, agreement, mesh, ...
+    "sp_diffusers.families": 0,  # facts about diffusers model families
+    "sp_diffusers.patching": 1,  # install() and what it applies: the backend's registration, patches, CP plans
+    "sp_diffusers.tiny": 2,
+    "sp_diffusers": 2,  # the package's face: lazy re-exports only
+    "sp_diffusers.engine": 3,
+    "sp_diffusers.flowgrpo": 4,  # the trainer
+    "sp_diffusers.integrations": 5,
+    "sp_diffusers.planner": 5,
+    "sp_diffusers.demo": 5,
+    "sp_diffusers.cli": 6,
 }
-# patches/native_ulysses routes diffusers' native backend to sp_diffusers.attention: the patch *is* that
-# route. The only upward edge from patches, written down in docs/architecture.md.
-EXCEPTIONS = {("sp_diffusers.patches.native_ulysses", "sp_diffusers.attention")}
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    base = root / "sp_diffusers"  # the patches too: sp_diffusers/patches/ (the top-level `patches` links there)
+    base = root / "sp_diffusers"  # the patches too: sp_diffusers/patching/patches/ (the top-level `patches` links there)
     for path in base.rglob("*.py"):
         parts = path.relative_to(base).with_suffix("").parts
         out[".".join(("sp_diffusers", *parts)).removesuffix(".__init__")] = path
@@ -100,7 +76,7 @@ def _graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
         for target in _imports(name, path, modules):
             if target == name:
                 continue
-            if _floor(target) > _floor(name) and (name, target) not in EXCEPTIONS:
+            if _floor(target) > _floor(name):
                 upward.append(f"{name} (floor {_floor(name)}) imports {target} (floor {_floor(target)})")
             # a package importing its own submodules is its face, not a circle
             if not target.startswith(name + "."):
@@ -154,10 +130,10 @@ def test_type_only_and_lazy_circles_are_circles(tmp_path):
     ]
 
 
-def test_every_module_is_small():
-    big = {
-        str(path.relative_to(ROOT)): n
-        for path in _modules().values()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert not big, f"modules over {MAX_LINES} lines (split where their own sections draw the line): {big}"
+def test_large_modules_are_named():
+    """Not a cap: each module past LARGE lines is named in a warning, for whoever reads it next."""
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in _modules().values()}
+    for path, n in sorted(sizes.items()):
+        if n > LARGE:
+            warnings.warn(f"{path}: {n} lines; does it hold two ideas?", stacklevel=1)
+    assert sizes, "no module found"

@@ -1,4 +1,4 @@
-"""The communication ledger (sp_diffusers/ledger.py) on 2 real gloo ranks: every collective counted once, with the
+"""The communication ledger (sp_diffusers/parallel/ledger.py) on 2 real gloo ranks: every collective counted once, with the
 bytes its docstring defines (bus bytes: what one rank puts on its link), under the phase and kind in force; FSDP2's
 all-gathers are parameter gathers and its reduce-scatters gradient reductions; torch's functions are its own again
 once nothing records. Bytes are integers computed from shapes, so the expected figures below are exact."""

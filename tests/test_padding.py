@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sp_diffusers.padding import PaddingError, pad_text_batch, pad_to_multiple, round_up, strip_padding
+from sp_diffusers.parallel.padding import (
+    PaddingError,
+    pad_text_batch,
+    pad_to_multiple,
+    round_up,
+    strip_padding,
+)
 
 
 def test_ragged_list_is_padded_to_batch_max_then_multiple():

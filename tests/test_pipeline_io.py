@@ -47,7 +47,7 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
     from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
     from sp_diffusers.flowgrpo.models.adapters import build_adapter
     from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
-    from sp_diffusers.padding import pad_text_batch
+    from sp_diffusers.parallel.padding import pad_text_batch
 
     pipe = DiffusionPipeline.from_pretrained(folders[family])
     pipe.set_progress_bar_config(disable=True)

@@ -45,7 +45,7 @@ def folders(tmp_path_factory):
 def _load(folder):
     from diffusers import DiffusionPipeline
 
-    from sp_diffusers.processors import load_qwen_vl_processor
+    from sp_diffusers.families.processors import load_qwen_vl_processor
 
     index = json.loads((folder / "model_index.json").read_text())
     extra = {"processor": load_qwen_vl_processor(folder / "processor")} if "processor" in index else {}
@@ -85,7 +85,7 @@ def test_trainer_condition_equals_the_pipelines(folders, family, monkeypatch, tm
     from sp_diffusers.flowgrpo.models.adapters import build_adapter
     from sp_diffusers.flowgrpo.models.conditioning import build_conditioning
     from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
-    from sp_diffusers.padding import pad_text_batch
+    from sp_diffusers.parallel.padding import pad_text_batch
 
     video = family.startswith("wan")
     source = _image(32, 64) if video else _image(64, 128)  # the output's aspect ratio
@@ -150,7 +150,7 @@ def test_cfg_in_one_forward_pairs_the_condition(folders, family, tmp_path):
     from sp_diffusers.flowgrpo.models.conditioning import build_conditioning
     from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
     from sp_diffusers.flowgrpo.sampling.rollout import velocity
-    from sp_diffusers.padding import pad_text_batch
+    from sp_diffusers.parallel.padding import pad_text_batch
 
     _image(32, 64).save(tmp_path / "a.png")
     (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": PROMPT, "image": "a.png"}) + "\n")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sp_diffusers.plan.models import BUILTIN, PlanError, resolve_model
-from sp_diffusers.plan.shapes import workload_from_pixels, workload_from_tokens
+from sp_diffusers.planner.models import BUILTIN, PlanError, resolve_model
+from sp_diffusers.planner.shapes import workload_from_pixels, workload_from_tokens
 
 
 @pytest.mark.parametrize(
@@ -98,7 +98,7 @@ def test_bad_inputs_are_one_clear_error_each(capsys, tmp_path):
 def test_every_builtin_model_builds_from_its_config():
     """The configs are the released checkpoints' (class defaults differ): the installed class accepts each, and
     the block lists have the checkpoint's lengths."""
-    from sp_diffusers.plan.trace import block_lists
+    from sp_diffusers.planner.trace import block_lists
 
     expected = {
         "wan2.1-t2v-1.3b": {"blocks": 30},
@@ -129,7 +129,7 @@ def test_every_builtin_family_traces_through_the_engine_at_world_size_8():
     dp 2: each family's inputs, plan and engine step run on fake tensors (HunyuanVideo-1.5 selects tokens with
     masks, Qwen-Image keeps RoPE tables outside its buffers), and the step holds parameters, activations and
     sends both kinds of collective. (Wan runs in the table test and the accuracy test.)"""
-    from sp_diffusers.plan.trace import TraceRequest, block_lists, run_trace
+    from sp_diffusers.planner.trace import TraceRequest, block_lists, run_trace
 
     families = {spec.kind: spec for spec in BUILTIN.values() if spec.kind != "wan" and not spec.condition}
     assert len(families) == 7
@@ -149,8 +149,8 @@ def test_the_table_and_the_json_of_a_small_plan(capsys):
     import argparse
 
     from benchmarks.plan_accuracy import NARROW
-    from sp_diffusers.plan.command import add_arguments, plan_to_json, print_table, request_from_args
-    from sp_diffusers.plan.planner import make_plan
+    from sp_diffusers.planner.command import add_arguments, plan_to_json, print_table, request_from_args
+    from sp_diffusers.planner.planner import make_plan
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -217,8 +217,8 @@ def test_forked_workers_plan_what_one_process_plans(capfd):
     import dataclasses
 
     from benchmarks.plan_accuracy import NARROW
-    from sp_diffusers.plan.command import add_arguments, request_from_args
-    from sp_diffusers.plan.planner import make_plan
+    from sp_diffusers.planner.command import add_arguments, request_from_args
+    from sp_diffusers.planner.planner import make_plan
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

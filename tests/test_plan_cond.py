@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from sp_diffusers.plan.models import BUILTIN, resolve_model
-from sp_diffusers.plan.shapes import build_inputs, workload_from_pixels, workload_from_tokens
+from sp_diffusers.planner.models import BUILTIN, resolve_model
+from sp_diffusers.planner.shapes import build_inputs, workload_from_pixels, workload_from_tokens
 
 COND = ("qwen-image-edit", "flux.1-kontext-dev", "wan2.1-i2v-14b-720p", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
 
@@ -34,7 +34,7 @@ def test_tokens_count_the_condition(model, size, tokens):
 
 
 def test_the_conditioned_builtins_trace_with_their_condition_at_world_size_8():
-    from sp_diffusers.plan.trace import TraceRequest, block_lists, run_trace
+    from sp_diffusers.planner.trace import TraceRequest, block_lists, run_trace
 
     assert set(COND) <= set(BUILTIN) and BUILTIN["wan2.2-i2v-a14b"].experts == 2
     for name in COND:

@@ -1,7 +1,7 @@
 """The planner predicts the RL iteration's communication ledger that the trainer counts, to the byte.
 
 The trainer runs a real iteration on gloo ranks (tiny Qwen-Image with ragged prompts, so its text shards unevenly;
-tiny Wan, a video with fixed-length text) and counts every collective (``sp_diffusers.ledger``); the planner runs
+tiny Wan, a video with fixed-length text) and counts every collective (``sp_diffusers.parallel.ledger``); the planner runs
 the same class at the same layout on fake tensors (``plan/iteration.py``) and composes the iteration from its
 pieces. Compared: the model's phases (rollout, old log-probs, train forward and backward, optimizer), every kind,
 calls and bytes, exactly; rank 0's view (ranks of an uneven text send different bytes, and the planner is rank 0).
@@ -53,11 +53,11 @@ def _counted(kind: str, world: int) -> dict:
 def _predicted(
     kind: str, world: int, cfg: float, gather: str, replicate: int, update: str, text_len: int
 ) -> dict[str, tuple[int, int]]:
-    from sp_diffusers.plan.iteration import RLKnobs
-    from sp_diffusers.plan.ledger_prediction import predict_iteration_ledger
-    from sp_diffusers.plan.models import FAMILIES, ModelSpec
-    from sp_diffusers.plan.shapes import Workload
-    from sp_diffusers.tiny._registry import tiny_model_config
+    from sp_diffusers.planner.iteration import RLKnobs
+    from sp_diffusers.planner.ledger_prediction import predict_iteration_ledger
+    from sp_diffusers.planner.models import FAMILIES, ModelSpec
+    from sp_diffusers.planner.shapes import Workload
+    from sp_diffusers.tiny.specs import tiny_model_config
 
     spec = ModelSpec(f"tiny-{kind}", kind, tiny_model_config(kind, num_layers=2), FAMILIES[kind])
     grid = (2, 4, 4) if kind == "wan" else (1, 4, 4)  # latent 8 x 8 (2 frames for Wan), patch 2

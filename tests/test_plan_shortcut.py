@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sp_diffusers.plan.extrapolate import combine, shortcut_counts
-from sp_diffusers.plan.models import FAMILIES, ModelSpec
-from sp_diffusers.plan.shapes import Workload
-from sp_diffusers.plan.trace import TraceRequest, block_lists, run_trace
+from sp_diffusers.planner.extrapolate import combine, shortcut_counts
+from sp_diffusers.planner.models import FAMILIES, ModelSpec
+from sp_diffusers.planner.shapes import Workload
+from sp_diffusers.planner.trace import TraceRequest, block_lists, run_trace
 
 QWEN = dict(
     patch_size=2,
@@ -115,7 +115,7 @@ def test_the_tracker_holds_nothing_a_run_without_it_frees():
     import gc
     import weakref
 
-    from sp_diffusers.plan.tracker import make_tracker
+    from sp_diffusers.planner.tracker import make_tracker
 
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
     saved = []  # the first layer's output, which only the GELU's backward holds

@@ -53,7 +53,7 @@ def _processors(model: torch.nn.Module) -> set[str]:
 
 
 def _prepared(model: torch.nn.Module) -> torch.nn.Module:
-    from sp_diffusers import plans
+    from sp_diffusers.patching import plans
 
     prepared = copy.deepcopy(model)
     plans.prepare_model(prepared)
@@ -110,7 +110,7 @@ def test_cogvideox_processor_matches_diffusers(overrides):
 
 
 def test_cogvideox_padded_text_with_key_mask_equals_unpadded():
-    from sp_diffusers.padding import pad_text_batch
+    from sp_diffusers.parallel.padding import pad_text_batch
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
     model = tiny_model("cogvideox")
@@ -130,8 +130,8 @@ def test_cogvideox_padded_text_with_key_mask_equals_unpadded():
 
 
 def test_joint_masks_are_in_all_to_all_key_order():
-    from sp_diffusers.plans import HunyuanVideoJointAttnProcessor
-    from sp_diffusers.plans._joint import text_key_mask, to_all_to_all_order
+    from sp_diffusers.patching.plans import HunyuanVideoJointAttnProcessor
+    from sp_diffusers.patching.plans._joint import text_key_mask, to_all_to_all_order
 
     # 2 ranks, 3 video + 2 text tokens each: global [v0 v1 v2 v3 v4 v5 t0 t1 t2 t3]
     keys = torch.arange(10)
@@ -153,8 +153,8 @@ def test_joint_masks_are_in_all_to_all_key_order():
 
 
 def test_bad_masks_name_the_fix():
-    from sp_diffusers.plans import CogVideoXJointAttnProcessor, HunyuanVideoJointAttnProcessor
-    from sp_diffusers.plans._joint import text_key_mask
+    from sp_diffusers.patching.plans import CogVideoXJointAttnProcessor, HunyuanVideoJointAttnProcessor
+    from sp_diffusers.patching.plans._joint import text_key_mask
 
     with pytest.raises(ValueError, match="encoder_attention_mask"):
         HunyuanVideoJointAttnProcessor._in_all_to_all_order(

@@ -198,7 +198,7 @@ def test_lora_aware_weight_export():
 @needs_verl
 def test_registry_lookup_and_idempotent_registration():
     r = _registry()
-    ours = "sp_diffusers.integrations.verl_engine.SPDiffusersEngine"
+    ours = "sp_diffusers.integrations.verl.engine.SPDiffusersEngine"
     expected_keys = {
         f"{t}/{b}/{d}"
         for t in ("sp_diffusers_diffusion", "diffusion_model")
@@ -261,14 +261,14 @@ def test_entry_point_discovery_in_a_fresh_interpreter():
         "cls = EngineRegistry.get_engine_cls('sp_diffusers_diffusion', 'fsdp2')\n"
         "print('FOUND', cls.__module__ + '.' + cls.__qualname__, get_device_name(), get_nccl_backend())\n"
         "from diffusers.models.attention_dispatch import AttentionBackendName\n"
-        "import sp_diffusers, sp_diffusers.integrations.verl as plugin\n"
+        "import sp_diffusers, sp_diffusers.integrations.verl.plugin as plugin\n"
         "importlib.reload(plugin)\n"
         "print('BACKEND', 'ulysses_sdpa' in {m.value for m in AttentionBackendName}, sp_diffusers.is_installed())\n"
         "print('APPLIED', ','.join(sp_diffusers.install().applied))\n"
     )
     proc = _python(code, {"VERL_PLATFORM": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "FOUND sp_diffusers.integrations.verl_engine.SPDiffusersEngine cpu gloo" in proc.stdout
+    assert "FOUND sp_diffusers.integrations.verl.engine.SPDiffusersEngine cpu gloo" in proc.stdout
     assert "BACKEND True True" in proc.stdout
     applied = next(line for line in proc.stdout.splitlines() if line.startswith("APPLIED")).split()[1]
     assert "native_ulysses" in applied.split(",")  # the patches this diffusers needs, by the plugin
@@ -285,7 +285,7 @@ def test_entry_point_discovery_in_a_fresh_interpreter():
 
 
 def test_missing_verl_names_the_extra():
-    proc = _python("import sys\nsys.modules['verl'] = None\nimport sp_diffusers.integrations.verl")
+    proc = _python("import sys\nsys.modules['verl'] = None\nimport sp_diffusers.integrations.verl.plugin")
     assert proc.returncode != 0
     assert "pip install 'sp-diffusers[verl]'" in proc.stderr
 
@@ -295,7 +295,7 @@ def test_missing_verl_names_the_extra():
 
 def test_verl_overrides_map_onto_train_config():
     from sp_diffusers.flowgrpo.config import load_config
-    from sp_diffusers.integrations.verl_overrides import translate_overrides
+    from sp_diffusers.integrations.verl.overrides import translate_overrides
 
     plan = translate_overrides(
         [
@@ -360,7 +360,7 @@ def test_verl_overrides_map_onto_train_config():
 )
 def test_verl_override_errors(overrides, message):
     from sp_diffusers.flowgrpo.config import ConfigError, load_config
-    from sp_diffusers.integrations.verl_overrides import translate_overrides
+    from sp_diffusers.integrations.verl.overrides import translate_overrides
 
     if message is None:
         with pytest.raises(ConfigError, match=r"did you mean flowgrpo\.group_size"):
@@ -511,7 +511,7 @@ def test_vllm_omni_model_checks_and_consistency_warnings():
 
 def test_verl_overrides_carry_the_rollout_settings():
     from sp_diffusers.flowgrpo.config import ConfigError, load_config
-    from sp_diffusers.integrations.verl_overrides import translate_overrides
+    from sp_diffusers.integrations.verl.overrides import translate_overrides
     from sp_diffusers.integrations.vllm_omni import RolloutMismatchWarning
 
     plan = translate_overrides(

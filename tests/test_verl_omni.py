@@ -185,7 +185,7 @@ def test_patches_stay_idle_where_verl_omni_fixed_the_defect(tmp_path):
 def test_fixes_run_when_the_module_is_imported_now_or_later(tmp_path, monkeypatch):
     """``when_imported``: at once for an imported module, right after the import for a later one, and at the
     next import for a module caught mid-import (the plugin runs inside verl-omni's own import)."""
-    from sp_diffusers.patches import _verl_omni
+    from sp_diffusers.patching.patches import _verl_omni
 
     pkg = tmp_path / "spd_hook_pkg"
     pkg.mkdir()
@@ -194,7 +194,7 @@ def test_fixes_run_when_the_module_is_imported_now_or_later(tmp_path, monkeypatc
     (pkg / "late.py").write_text("VALUE = 2\n")
     # registers its own fix while its code runs, as the plugin does when verl is imported from verl-omni
     (pkg / "mid.py").write_text(
-        "from sp_diffusers.patches import _verl_omni\n"
+        "from sp_diffusers.patching.patches import _verl_omni\n"
         "import tests.test_verl_omni as t\n"
         "_verl_omni.when_imported(__name__, t._SEEN.append)\n"
         "VALUE = 3\n"
@@ -232,7 +232,7 @@ _SEEN: list = []
 
 
 def test_without_verl_omni_its_patches_are_skipped_and_apply_revert_are_idempotent():
-    from sp_diffusers.patches import ALL_PATCHES, _verl_omni
+    from sp_diffusers.patching.patches import ALL_PATCHES, _verl_omni
 
     if _verl_omni.installed():
         pytest.skip("verl-omni is installed here: the stand-in tests above cover it")

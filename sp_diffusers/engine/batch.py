@@ -7,8 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import to_device
-from ..padding import pad_text_batch
+from ..parallel.devices import to_device
+from ..parallel.padding import pad_text_batch
 from .protocols import BatchOwner
 
 __all__ = ["TEXT_KEYS", "broadcast_in_sp_group", "prepare_batch"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..model_kinds import class_name
+from ..families.kinds import class_name
 from .checkpoint_files import (
     LATEST,
     META,

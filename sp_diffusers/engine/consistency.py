@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import collective_device, to_device
+from ..parallel.devices import collective_device, to_device
 
 __all__ = ["SPDivergenceError", "checksum", "verify_sp_consistency"]
 

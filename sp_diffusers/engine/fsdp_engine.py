@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import default_device, fetch_scalars, use_device
-from ..ledger import comm_phase
-from ..mesh import MeshError, ParallelDims
+from ..parallel.devices import default_device, fetch_scalars, use_device
+from ..parallel.ledger import comm_phase
+from ..parallel.mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
-from . import gathering, sharding
+from . import held_params, sharding
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
 from .optim import average_replicated_grads, training_state
@@ -214,8 +214,8 @@ class FSDPEngine:
 
     def gathered_params(self, backward: bool = False) -> contextlib.AbstractContextManager:
         """Inside: parameters all-gathered once and held over every forward (a rollout) and, with ``backward``, over
-        backwards too (an optimizer step's micro-steps); ``engine/gathering.py``."""
-        return gathering.held(self.model, backward) if self.sharded else contextlib.nullcontext()
+        backwards too (an optimizer step's micro-steps); ``engine/held_params.py``."""
+        return held_params.held(self.model, backward) if self.sharded else contextlib.nullcontext()
 
     def ema_step(self) -> None:
         """Move the parameters' moving average (``ema_decay``) at this optimizer step; nothing without one."""
@@ -236,14 +236,14 @@ class FSDPEngine:
                 self.release_params()
 
     def release_params(self) -> None:
-        """Only the shards stay: every block and the root's own parameters resharded (``gathering.release``)."""
+        """Only the shards stay: every block and the root's own parameters resharded (``held_params.release``)."""
         if self.sharded:
-            gathering.release(self.model)
+            held_params.release(self.model)
 
     def gather_fits(self) -> bool:
-        """Whether holding the whole model gathered (in the compute dtype) fits this device (``gathering.fits``)."""
+        """Whether holding the whole model gathered (in the compute dtype) fits this device (``held_params.fits``)."""
         dtype = torch.bfloat16 if self.settings.mixed_precision == "bf16" else None
-        return not self.sharded or gathering.fits(gathering.gathered_bytes(self.model, dtype), self.device)
+        return not self.sharded or held_params.fits(held_params.gathered_bytes(self.model, dtype), self.device)
 
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank)."""
@@ -305,7 +305,7 @@ class FSDPEngine:
         The returned metrics carry ``loss`` as computed (unscaled by SP, by ``loss_scale`` or by anything). They
         stay where ``loss_fn`` made them: one-element tensors come back detached, on the device (reading each
         one would stop the host until the GPU drains, once per metric per micro-step); read a step's worth at
-        once with ``sp_diffusers.devices.fetch_scalars`` (``train_step`` and ``optimizer_step`` return floats).
+        once with ``sp_diffusers.parallel.devices.fetch_scalars`` (``train_step`` and ``optimizer_step`` return floats).
         """
         self.model.train()
         loss, metrics, failure = None, {}, None

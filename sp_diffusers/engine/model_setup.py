@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import host_subgroups, needs_host_groups
-from ..mesh import ParallelDims
+from ..parallel.devices import host_subgroups, needs_host_groups
+from ..parallel.mesh import ParallelDims
 from .settings import LoraSettings
 from .weights import WeightsError, materialize
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..ledger import comm_kind
+from ..parallel.ledger import comm_kind
 from .ema import ParameterEMA
 from .settings import EngineSettings
 

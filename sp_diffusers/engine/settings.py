@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..registry import BACKEND_NAME
+from ..patching.backend_registration import BACKEND_NAME
 
 __all__ = ["EngineSettings", "LoraSettings", "OptimSettings"]
 

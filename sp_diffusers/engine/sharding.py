@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..mesh import ParallelDims
+from ..parallel.mesh import ParallelDims
 
 __all__ = ["fully_shard_model", "sharding_mesh"]
 

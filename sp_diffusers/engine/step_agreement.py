@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import collective_device
+from ..parallel.devices import collective_device
 from .protocols import StepRunner
 
 __all__ = ["StepError", "agree_step", "batch_size_of", "unpack_loss"]
@@ -74,7 +74,7 @@ def agree_step(engine: StepRunner, failure: BaseException | None, num_samples: i
         if failure is not None:
             raise failure
         return 1.0
-    from ..comm import gather_ints
+    from ..parallel.gathers import gather_ints
 
     row = [int(failure is not None), -1 if num_samples is None else int(num_samples)]
     # the engine's control group: gloo beside NCCL, so this exchange never waits for the GPU to drain

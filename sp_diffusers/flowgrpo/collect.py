@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import collective_device, fetch_scalars, to_device
-from ..ledger import comm_kind, comm_phase
+from ..parallel.devices import collective_device, fetch_scalars, to_device
+from ..parallel.ledger import comm_kind, comm_phase
 from .algorithms.selection import kept_samples
 from .models.experts import route
 from .sampling.guidance import WeightHolder

@@ -17,7 +17,7 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 def validate(config: TrainConfig) -> None:
     """Values that type-check but cannot train (each error names the key, the value and the rule)."""
-    from ..model_kinds import KINDS
+    from ..families.kinds import KINDS
 
     g, o, t = config.flowgrpo, config.optim, config.train
     finite = math.isfinite

@@ -25,7 +25,7 @@ TINY_KIND = "qwenimage"  # model.kind left out, and no folder to take it from: t
 
 @dataclass
 class ModelConfig:
-    # model family (sp_diffusers.model_kinds): "" (left out) takes it from model.pipeline's or model.pretrained's
+    # model family (sp_diffusers.families.kinds): "" (left out) takes it from model.pipeline's or model.pretrained's
     # folder, else TINY_KIND; given, it must agree with the folder (folder_checks.py)
     kind: str = ""
     pretrained: str = ""  # a transformer folder written by save_pretrained (its config.json names its class)
@@ -175,7 +175,7 @@ class FlowGRPOConfig:
 class RolloutConfig:
     # the parameters of a rollout: "always" all-gathered once and held over its denoising steps and the recomputed
     # old log-probs (one gather per rollout, not one per step), "never" gathered per forward as FSDP does, "auto"
-    # once where the whole model fits the device's free memory with a quarter of it to spare (engine/gathering.py)
+    # once where the whole model fits the device's free memory with a quarter of it to spare (engine/held_params.py)
     gather_params: str = "auto"
     cfg_batch: bool = True  # classifier-free guidance's two branches as one forward of 2B samples (false: two)
 

@@ -14,7 +14,7 @@ the newest one.
 
 Each iteration's rollout, old log-probs, rewards and advantages: ``collect.py`` (a rollout holds its weights gathered
 and runs classifier-free guidance as one forward: ``sampling/guidance.py``); the policy update: ``update.py``;
-every collective of an iteration is counted by phase and kind (``sp_diffusers.ledger``) into its metrics
+every collective of an iteration is counted by phase and kind (``sp_diffusers.parallel.ledger``) into its metrics
 (``comm/<phase>/<kind>_calls`` and ``_bytes``). Building the parts from the config: ``build.py`` (a pipeline
 folder: ``models/pipeline_io.py``; Wan2.2's experts: ``models/experts.py``); prompts: ``io/data.py``; rewards:
 ``rewards/scoring.py``; eval and sample grids: ``io/evaluate.py``; metrics: ``io/metrics.py``.
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..devices import to_device
 from ..engine import EngineSettings, FSDPEngine
 from ..engine.checkpoint import find_latest
-from ..launch import init_distributed
-from ..ledger import CommLedger, as_metrics
+from ..parallel.devices import to_device
+from ..parallel.launch import init_distributed
+from ..parallel.ledger import CommLedger, as_metrics
 from .algorithms.base import StepContext
 from .algorithms.registry import algorithm_for
 from .build import (

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..devices import fetch_scalars, to_device
 from ..engine import FSDPEngine
+from ..parallel.devices import fetch_scalars, to_device
 from .algorithms.base import Algorithm, StepContext
 from .models.experts import route
 from .sampling.rollout import Trajectory

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._registry import TinyKind, accepted_config, register, text_mask
+from .specs import TinyKind, accepted_config, register, text_mask
 
 
 def _mask(batch: int, text_len: int, g: torch.Generator, ragged: bool) -> torch.Tensor:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..compat import diffusers_version
-from ._registry import TinyKind, accepted_config, register, text_mask
+from ..patching.compat import diffusers_version
+from .specs import TinyKind, accepted_config, register, text_mask
 
 
 def _qwenimage_config() -> dict[str, Any]:

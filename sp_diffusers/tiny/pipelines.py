@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..scheduler_configs import scheduler_kwargs
-from ._registry import tiny_model
+from ..families.scheduler_configs import scheduler_kwargs
+from .specs import tiny_model
 from .text_parts import (
     char_tokenizer,
     require_weights,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ._registry import TinyKind, register, text_mask
+from .specs import TinyKind, register, text_mask
 
 
 def _cogvideox_rope(cfg: Any, frames: int, image_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,12 +45,12 @@ def _token_id(token: str) -> int:
 
 
 def tiny_qwen_vl_processor(max_length: int = 2048) -> Any:
-    """``Qwen2VLProcessor`` (``sp_diffusers.processors``): the character tokenizer with ``QWEN_VL_SPECIAL`` as single tokens, and a PIL image
+    """``Qwen2VLProcessor`` (``sp_diffusers.families.processors``): the character tokenizer with ``QWEN_VL_SPECIAL`` as single tokens, and a PIL image
     processor (patch 4, merge 2, one temporal patch) capped at 32 x 32 pixels (16 vision tokens after merging)."""
     from tokenizers import AddedToken
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from ..processors import qwen_vl_processor
+    from ..families.processors import qwen_vl_processor
     from .text_parts import char_tokenizer
 
     tokenizer = char_tokenizer(max_length)
@@ -72,7 +72,7 @@ def tiny_qwen_vl_processor(max_length: int = 2048) -> Any:
 
 def save_qwen_vl_processor(processor: Any, folder: Any) -> Any:
     """The processor's parts written as ``Qwen2VLProcessor.save_pretrained`` lays them out (``processors.py``)."""
-    from ..processors import save_qwen_vl_processor as save
+    from ..families.processors import save_qwen_vl_processor as save
 
     return save(processor, folder)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._registry import TinyKind, register
+from .specs import TinyKind, register
 
 
 def _wan_like(**extra: Any) -> dict[str, Any]:

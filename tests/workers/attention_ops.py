@@ -23,7 +23,7 @@ def _encode(b: int, s: int, h: int, d: int) -> torch.Tensor:
 
 
 def all_to_all_checks(rank: int, world: int) -> dict:
-    from sp_diffusers.comm import heads_to_seq, seq_to_heads
+    from sp_diffusers.parallel.exchange import heads_to_seq, seq_to_heads
 
     group = dist.group.WORLD
     out: dict[str, float] = {}
@@ -194,7 +194,7 @@ def _compare_cases(
 ) -> dict:
     """Every case, at even lengths and (``uneven``) at lengths that do not divide the degree: the sharded op
     on this rank's slice vs full-sequence SDPA; max errors per case."""
-    from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import local_sdpa_attention, ulysses_sdpa_attention
 
     results: dict[str, dict[str, float]] = {}
     cases = _cases(cp_world)
@@ -227,7 +227,7 @@ def attention_parity(rank: int, world: int) -> dict:
 
 def dropout_is_applied(rank: int, world: int) -> dict:
     """dropout_p > 0 must change the result (never silently ignored); p = 0 must not."""
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
 
     config = ulysses_parallel_config(world)
     q, k, v, _ = _case_tensors(7, 1, 8 * world, 8 * world, 2 * world, 2 * world, 8)
@@ -244,7 +244,7 @@ def dropout_is_applied(rank: int, world: int) -> dict:
 
 def bad_inputs(rank: int, world: int) -> dict:
     """Each bad input raises on every rank, before any collective, with a message naming the fix."""
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
 
     config = ulysses_parallel_config(world)
     S, H, D = 4 * world, 2 * world, 8
@@ -301,7 +301,7 @@ def usp_parity(rank: int, world: int, ulysses: int, ring: int) -> dict:
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     import sp_diffusers
-    from sp_diffusers import attention, kernels
+    from sp_diffusers.parallel import attention, kernels
 
     mesh = sp_diffusers.build_device_mesh(ulysses_degree=ulysses, ring_degree=ring)
     config = ParallelConfig(
@@ -351,7 +351,7 @@ def rank_mismatches(rank: int, world: int) -> dict:
     error promptly (the handshake), none may wait in a collective. Also the edge lengths that do work."""
     import time
 
-    from sp_diffusers.attention import local_sdpa_attention, ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import local_sdpa_attention, ulysses_sdpa_attention
 
     config = ulysses_parallel_config(world)
     S, H, D = 4 * world, 2 * world, 8

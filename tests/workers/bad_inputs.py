@@ -25,7 +25,7 @@ def bad_inputs(rank: int, world: int) -> dict:
     from diffusers.utils import logging as dlogging
 
     import sp_diffusers
-    from sp_diffusers.attention import ulysses_sdpa_attention
+    from sp_diffusers.parallel.attention import ulysses_sdpa_attention
     from sp_diffusers.tiny import tiny_model
 
     dlogging.set_verbosity(logging.ERROR)

@@ -62,8 +62,8 @@ def _watching(ops: _AttentionOps):
     """Mark sp_diffusers' attention: the registered backend and the kernels' backward (ring and one-shot)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from sp_diffusers import kernels, ring
-    from sp_diffusers.registry import BACKEND_NAME
+    from sp_diffusers.parallel import kernels, ring
+    from sp_diffusers.patching.backend_registration import BACKEND_NAME
 
     member = AttentionBackendName(BACKEND_NAME)
     backend = _AttentionBackendRegistry._backends[member]
@@ -112,7 +112,7 @@ def _meta_autocast():
 
 def _case(name: str, ulysses: int, ring: int, dtype: torch.dtype, mesh: Any) -> dict:
     import sp_diffusers
-    from sp_diffusers.forward_scope import set_rank_agreement
+    from sp_diffusers.parallel.agreement import set_rank_agreement
 
     model, inputs = build(name, "even", seed=0)
     if name in INPUTS:
@@ -199,7 +199,7 @@ def _negatives() -> dict[str, Any]:
     from unittest import mock
 
     import sp_diffusers
-    from sp_diffusers import attention, kernels
+    from sp_diffusers.parallel import attention, kernels
 
     mesh = sp_diffusers.build_device_mesh(ulysses_degree=8)
     real_local = attention.local_sdpa_attention
@@ -235,8 +235,8 @@ def _ring_memory(heads: int = 2, head_dim: int = 16) -> dict[str, Any]:
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from sp_diffusers import kernels
-    from sp_diffusers.ring import ring_attention
+    from sp_diffusers.parallel import kernels
+    from sp_diffusers.parallel.ring import ring_attention
 
     group = dist.group.WORLD
     largest = [0]

@@ -132,7 +132,7 @@ def main() -> None:
 
     sp_diffusers.install()
     if args.no_exit_hook:
-        from sp_diffusers import exit_hook
+        from sp_diffusers.parallel import exit_hook
 
         exit_hook.unregister()
 

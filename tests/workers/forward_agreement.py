@@ -32,7 +32,7 @@ def forward_agreement(rank: int, world: int) -> dict:
     from diffusers.utils import logging as dlogging
 
     import sp_diffusers
-    from sp_diffusers.forward_scope import set_rank_agreement
+    from sp_diffusers.parallel.agreement import set_rank_agreement
 
     dlogging.set_verbosity(logging.ERROR)
     sp_diffusers.install()
@@ -74,7 +74,7 @@ def forward_agreement(rank: int, world: int) -> dict:
 
     def mask_on_one_rank():
         m, inputs = model("sd3", "even")
-        from sp_diffusers.padding import pad_text_batch
+        from sp_diffusers.parallel.padding import pad_text_batch
 
         embeds, mask = pad_text_batch(inputs["encoder_hidden_states"], None, world)
         inputs = {**inputs, "encoder_hidden_states": embeds}

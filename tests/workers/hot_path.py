@@ -89,8 +89,11 @@ class Recorder(TorchDispatchMode):
 @contextlib.contextmanager
 def recording(rec: Recorder):
     """Count collectives, metadata exchanges and host syncs while the block runs."""
-    from sp_diffusers import attention, cp_groups, forward_scope, handshake, scope_hooks
-    from sp_diffusers.registry import BACKEND_NAME
+    from sp_diffusers.parallel import agreement as forward_scope
+    from sp_diffusers.parallel import agreement as handshake
+    from sp_diffusers.parallel import attention, cp_groups
+    from sp_diffusers.patching import scope_hooks
+    from sp_diffusers.patching.backend_registration import BACKEND_NAME
 
     saved: list[tuple[Any, str, Any]] = []
 
@@ -219,7 +222,7 @@ def hot_path_counts(rank: int, world: int, names: list[str], layouts: list[tuple
     from diffusers.utils import logging as dlogging
 
     import sp_diffusers
-    from sp_diffusers.forward_scope import set_rank_agreement
+    from sp_diffusers.parallel.agreement import set_rank_agreement
 
     dlogging.set_verbosity(logging.ERROR)
     sp_diffusers.install()

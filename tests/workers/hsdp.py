@@ -63,7 +63,7 @@ def resume_across_layouts(rank: int, world: int, phase: str, root: str) -> dict:
     from diffusers.utils import logging as dlogging
 
     import sp_diffusers
-    from sp_diffusers.ledger import CommLedger
+    from sp_diffusers.parallel.ledger import CommLedger
     from sp_diffusers.tiny import tiny_inputs, tiny_model
     from tests._parity import PARITY_EPS, PARITY_LR
 

@@ -86,7 +86,7 @@ def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str,
     """One training iteration per run (``{name: {flowgrpo key: value, section: {key: value}}}``, sections
     ``rollout``, ``parallel``, ``update``): this rank's ledger (``(phase, kind) -> (calls, bytes)``, as strings)
     and the reward, for the same first batch."""
-    from sp_diffusers.ledger import CommLedger
+    from sp_diffusers.parallel.ledger import CommLedger
 
     _quiet()
     out: dict = {}
@@ -103,7 +103,7 @@ def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str,
             metrics = trainer.train_iteration(0)
             first = ledger.take()
             # again on the same batch: the steady state, where an uneven text length's layouts are known (the first
-            # forward with a new length learns them once: a few small gathers, ``forward_scope.py``)
+            # forward with a new length learns them once: a few small gathers, ``parallel/agreement.py``)
             trainer.train_iteration(0)
         batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
         text = [batch[k].shape[1] for k in ("prompt_embeds", "negative_prompt_embeds") if k in batch]
@@ -163,7 +163,7 @@ def update_modes(rank: int, world: int, sp: int, lora: bool) -> dict:
     """One policy update (2 micro-batches x 2 trained steps, one optimizer step) on the same data twice: per-block
     gathers and weights held over the micro-steps (``update.gather_params``): the parameters after the step and
     each update's ledger."""
-    from sp_diffusers.ledger import CommLedger
+    from sp_diffusers.parallel.ledger import CommLedger
     from tests.workers.engine_steps import _full, _global_data, _my_batch
 
     _quiet()

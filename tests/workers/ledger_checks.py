@@ -15,7 +15,7 @@ def _entries(ledger) -> dict[str, tuple[int, int]]:
 def collectives(rank: int, world: int) -> dict:
     import torch.distributed._functional_collectives as funcol
 
-    from sp_diffusers.ledger import CommLedger, comm_kind, comm_phase
+    from sp_diffusers.parallel.ledger import CommLedger, comm_kind, comm_phase
 
     originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather", "all_reduce", "all_gather_object")}
     originals["funcol.all_gather_tensor"] = funcol.all_gather_tensor
@@ -80,8 +80,8 @@ def fsdp(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from sp_diffusers.engine import gathering
-    from sp_diffusers.ledger import CommLedger, comm_phase
+    from sp_diffusers.engine import held_params as gathering
+    from sp_diffusers.parallel.ledger import CommLedger, comm_phase
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))

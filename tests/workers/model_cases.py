@@ -121,7 +121,7 @@ def sp_inputs(name: str, length: str, inputs: dict[str, Any], world: int) -> dic
     case = ALL_MODELS[name]
     if not (case.pad_text and length == "even"):
         return inputs
-    from sp_diffusers.padding import pad_text_batch
+    from sp_diffusers.parallel.padding import pad_text_batch
 
     embeds, mask = pad_text_batch(
         inputs["encoder_hidden_states"], inputs.get("encoder_attention_mask"), world

@@ -53,7 +53,7 @@ def _idempotent(patch) -> bool:
 
 
 def check_cpu_device_count(world: int) -> dict:
-    from sp_diffusers.patches import cpu_device_count as patch
+    from sp_diffusers.patching.patches import cpu_device_count as patch
     from sp_diffusers.tiny import tiny_model
 
     def enable():
@@ -74,7 +74,7 @@ def check_cpu_device_count(world: int) -> dict:
 
 
 def check_root_hook_return_dict(world: int) -> dict:
-    from sp_diffusers.patches import root_hook_return_dict as patch
+    from sp_diffusers.patching.patches import root_hook_return_dict as patch
     from sp_diffusers.tiny import tiny_inputs
 
     # diffusers binds hook.post_forward when the hook is registered (in enable_parallelism), so each
@@ -92,7 +92,7 @@ def check_root_hook_return_dict(world: int) -> dict:
 
 
 def check_qwenimage_joint_mask(world: int) -> dict:
-    from sp_diffusers.patches import qwenimage_joint_mask as patch
+    from sp_diffusers.patching.patches import qwenimage_joint_mask as patch
     from sp_diffusers.tiny import tiny_inputs
 
     model, reference = _sp_model("qwenimage", "ulysses_sdpa", world)
@@ -116,7 +116,7 @@ def check_qwenimage_joint_mask(world: int) -> dict:
 def check_backend_leak(world: int) -> dict:
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from sp_diffusers.patches import backend_leak as patch
+    from sp_diffusers.patching.patches import backend_leak as patch
     from sp_diffusers.tiny import tiny_model
 
     def leaks() -> bool:
@@ -139,8 +139,8 @@ def check_native_ulysses(world: int) -> dict:
     backward (0.38+), and per-head masks / S_q != S_kv backward failing; with it: exact, no recompute."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    from sp_diffusers.attention import local_sdpa_attention
-    from sp_diffusers.patches import native_ulysses as patch
+    from sp_diffusers.parallel.attention import local_sdpa_attention
+    from sp_diffusers.patching.patches import native_ulysses as patch
 
     rank = dist.get_rank()
     config = ulysses_parallel_config(world)
@@ -213,8 +213,8 @@ def check_native_ulysses(world: int) -> dict:
 def check_mesh_injection(world: int) -> dict:
     """DP x SP on one shared mesh: impossible on 0.36/0.37 without the patch, exact with it."""
     import sp_diffusers
-    from sp_diffusers.compat import config_accepts_mesh
-    from sp_diffusers.patches import mesh_injection as patch
+    from sp_diffusers.patching.compat import config_accepts_mesh
+    from sp_diffusers.patching.patches import mesh_injection as patch
     from sp_diffusers.tiny import tiny_inputs, tiny_model
 
     sp = world // 2
@@ -247,7 +247,7 @@ def check_mesh_injection(world: int) -> dict:
 
 def check_uneven_sharding(world: int) -> dict:
     """A tiny Flux with 7 text tokens and 3 x 3 image tokens: no length divides the degree."""
-    from sp_diffusers.patches import uneven_sharding as patch
+    from sp_diffusers.patching.patches import uneven_sharding as patch
     from sp_diffusers.tiny import tiny_inputs
 
     model, reference = _sp_model("flux", "ulysses_sdpa", world)
@@ -290,7 +290,7 @@ def patch_checks(rank: int, world: int) -> dict:
     import diffusers
 
     import sp_diffusers
-    from sp_diffusers.patches import ALL_PATCHES
+    from sp_diffusers.patching.patches import ALL_PATCHES
 
     _quiet()
     report = sp_diffusers.install()

@@ -26,7 +26,7 @@ def _max_diff(model, inputs, want) -> float:
 
 def _pipeline(folder) -> diffusers.DiffusionPipeline:
     """The pipeline class the folder names, whole; a Qwen-Image-Edit processor only where transformers can build one
-    (it needs torchvision for a video processor an edit never uses: sp_diffusers.processors)."""
+    (it needs torchvision for a video processor an edit never uses: sp_diffusers.families.processors)."""
     from transformers.utils import is_torchvision_available
 
     index = json.loads((Path(folder) / "model_index.json").read_text())

@@ -87,7 +87,7 @@ def check_plan_optional_inputs(world: int) -> dict:
     Qwen-Image at 0.36, whose plan splits ``encoder_hidden_states_mask`` at the root."""
     import diffusers
 
-    from sp_diffusers.patches import plan_optional_inputs as patch
+    from sp_diffusers.patching.patches import plan_optional_inputs as patch
 
     if getattr(diffusers, "LTX2VideoTransformer3DModel", None) is None:
         kind, kw, drop = "qwenimage", dict(image_hw=(8, 8), text_len=8), ("encoder_hidden_states_mask",)
@@ -103,7 +103,7 @@ def check_plan_optional_inputs(world: int) -> dict:
 
 def check_per_token_timestep(world: int) -> dict:
     """LTX-Video with a timestep per video token ([B, N], the image-to-video pipelines)."""
-    from sp_diffusers.patches import per_token_timestep as patch
+    from sp_diffusers.patching.patches import per_token_timestep as patch
 
     kw = dict(image_hw=(4, 4), frames=1, text_len=8, per_token_timestep=True)
     return _check(patch, lambda: _parity("ltx", world, kw))
@@ -111,7 +111,7 @@ def check_per_token_timestep(world: int) -> dict:
 
 def check_wan_text_split(world: int) -> dict:
     """Wan-2.1-I2V-shaped (CLIP image tokens before 512 text tokens): 0.36's plan splits that context."""
-    from sp_diffusers.patches import wan_text_split as patch
+    from sp_diffusers.patching.patches import wan_text_split as patch
 
     def edit(model, inputs):
         g = torch.Generator().manual_seed(3)
@@ -125,7 +125,7 @@ def check_wan_text_split(world: int) -> dict:
 
 def check_ltx2_plan(world: int) -> dict:
     """LTX-2, both streams: the shipped plan fails at the a2v attention (and replicates the audio stream)."""
-    from sp_diffusers.patches import ltx2_plan, plan_optional_inputs
+    from sp_diffusers.patching.patches import ltx2_plan, plan_optional_inputs
 
     kw = dict(image_hw=(4, 4), frames=1, text_len=8, audio_len=8)
     # the fixed plan names inputs a call may leave out: its own fix needs plan_optional_inputs
@@ -141,7 +141,7 @@ def check_ltx2_plan(world: int) -> dict:
 def check_helios_plan(world: int) -> dict:
     """Helios with 40 blocks (the shipped plan names blocks 0-39): its gradients are not the single-process
     ones (0.38+), or it fails outright (0.37.1, ``guidance_cross_attn``)."""
-    from sp_diffusers.patches import helios_plan as patch
+    from sp_diffusers.patching.patches import helios_plan as patch
 
     kw = dict(image_hw=(8, 8), frames=1, text_len=8, history=False)
     return _check(patch, lambda: _parity("helios", world, kw, dict(num_layers=40)))

@@ -27,10 +27,10 @@ def _plugin():
     from diffusers.utils import logging as dlogging
 
     dlogging.set_verbosity(logging.ERROR)
-    from sp_diffusers.integrations.verl_cpu import register_cpu_platform
+    from sp_diffusers.integrations.verl.cpu import register_cpu_platform
 
     register_cpu_platform()
-    import sp_diffusers.integrations.verl as plugin
+    import sp_diffusers.integrations.verl.plugin as plugin
 
     return plugin
 

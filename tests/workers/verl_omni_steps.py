@@ -188,7 +188,7 @@ def _controls(model_dir: str, sp: int, data: dict, ref_grads: dict) -> dict:
     module already imported) fixes it."""
     from verl.workers.engine.base import EngineRegistry
 
-    from sp_diffusers.patches import (
+    from sp_diffusers.patching.patches import (
         verl_omni_attn_backend,
         verl_omni_cpu_engine,
         verl_omni_min_diffusers,
@@ -215,7 +215,7 @@ def _controls(model_dir: str, sp: int, data: dict, ref_grads: dict) -> dict:
         patch.apply()
         out[patch.NAME]["with"] = fixed() if fixed else None
     out["bogus_backend"] = _expect_error(config("not_a_backend"))  # the whitelist still refuses others
-    from sp_diffusers.patches import mesh_injection
+    from sp_diffusers.patching.patches import mesh_injection
 
     if mesh_injection.is_applied():  # 0.36/0.37: the constructor takes mesh= and checks it as 0.38+ needs
         from diffusers import ContextParallelConfig

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...ledger import comm_phase
+from ...parallel.ledger import comm_phase
 from ..config import ConfigError, TrainConfig
 from ..sampling.dpm import DPMTail
 from ..sampling.rollout import Trajectory, evaluate_window_step

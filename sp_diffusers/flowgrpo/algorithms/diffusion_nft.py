@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ...devices import to_device
-from ...ledger import comm_phase
+from ...parallel.devices import to_device
+from ...parallel.ledger import comm_phase
 from ..config import ConfigError, TrainConfig
 from ..sampling.dpm_solver import DPMSolver2
 from ..sampling.rollout import Trajectory, velocity

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ...ledger import comm_phase
+from ...parallel.ledger import comm_phase
 from ..config import ConfigError, TrainConfig
 from ..sampling.rollout import Trajectory, evaluate_window_step
 from .advantages import group_advantages

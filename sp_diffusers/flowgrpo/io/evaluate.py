@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...ledger import comm_phase
+from ...parallel.ledger import comm_phase
 from ..sampling.guidance import paired
 from ..sampling.rollout import velocity
 from ..sampling.sde import ode_step

@@ -86,7 +86,7 @@ def _step_dir(root: Path, step: int | None) -> Path:
 
 def _fresh_model(config: TrainConfig, name: str) -> torch.nn.Module:
     """The untrained transformer ``name``, real and whole (export writes whole files from one process)."""
-    from ...model_kinds import model_class
+    from ...families.kinds import model_class
     from ...tiny import tiny_model
     from ..models.pipeline_io import from_pretrained, load_transformers, param_dtype
 

@@ -17,7 +17,7 @@ from typing import IO
 
 import torch.distributed as dist
 
-from ...devices import collective_device
+from ...parallel.devices import collective_device
 from ..config import ConfigError
 
 __all__ = ["LOCK_NAME", "RunDirInUse", "lock_run_dir"]

@@ -57,7 +57,7 @@ def _parallelize(pipe: Any, ulysses: int) -> None:
 
     import sp_diffusers
 
-    from ...launch import init_distributed
+    from ...parallel.launch import init_distributed
 
     init_distributed(required_by=f"sample --ulysses {ulysses}")
     world = dist.get_world_size()
@@ -111,7 +111,7 @@ def render(
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
     if (Path(pipeline) / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
-        from ...processors import load_qwen_vl_processor
+        from ...families.processors import load_qwen_vl_processor
 
         extra["processor"] = load_qwen_vl_processor(Path(pipeline) / "processor")
     pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype, **extra)

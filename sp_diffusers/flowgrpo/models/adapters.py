@@ -60,7 +60,7 @@ class SD3Adapter:
     pipeline's CLIP encoders when the text encoder gives it, else the masked mean of the embeddings.
 
     SD3 has no text mask of its own; the padded text keys are masked through ``joint_attention_kwargs``,
-    which sp_diffusers' SD3 processor (``sp_diffusers.plans``) honours, so padding to the SP degree is exact.
+    which sp_diffusers' SD3 processor (``sp_diffusers.patching.plans``) honours, so padding to the SP degree is exact.
     """
 
     height: int
@@ -176,8 +176,8 @@ def build_adapter(
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
     projection input itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to
     (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
-    from ...compat import diffusers_version
-    from ...model_kinds import class_name
+    from ...families.kinds import class_name
+    from ...patching.compat import diffusers_version
 
     name = class_name(model)
     config = model.config

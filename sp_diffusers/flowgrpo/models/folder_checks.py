@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...model_kinds import KINDS
+from ...families.kinds import KINDS
 from ..config import TINY_KIND, ConfigError, TrainConfig
 
 __all__ = [

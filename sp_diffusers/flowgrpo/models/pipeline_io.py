@@ -99,7 +99,7 @@ def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, 
     allocated here; the engine shards each one and then loads only its own rows, converted to the parameters'
     dtype shard by shard (``engine_settings`` points ``weights`` at :func:`transformer_folder`)."""
     from ...engine.weights import meta_model
-    from ...model_kinds import model_class
+    from ...families.kinds import model_class
 
     cls = model_class(config.model.kind)
     return {n: meta_model(cls, transformer_folder(config, n)) for n in names}
@@ -107,7 +107,7 @@ def meta_transformers(config: TrainConfig, names: tuple[str, ...]) -> dict[str, 
 
 def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None) -> dict[str, torch.nn.Module]:
     """``{name: transformer}`` of ``model.pipeline`` (``names``: default all), each in the training dtype, on CPU."""
-    from ...model_kinds import model_class
+    from ...families.kinds import model_class
 
     cls = model_class(config.model.kind)
     dtype = param_dtype(config)

@@ -212,7 +212,7 @@ class PipelineTextEncoder:
             if name not in self.CONDITIONED:
                 kwargs["vae"] = None  # the conditioned pipelines encode their condition images with it
             if name.startswith("QwenImageEdit"):
-                from ...processors import load_qwen_vl_processor
+                from ...families.processors import load_qwen_vl_processor
 
                 kwargs["processor"] = load_qwen_vl_processor(Path(path) / "processor")
             self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, **kwargs)

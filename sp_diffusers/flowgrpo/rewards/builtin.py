@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ...devices import to_device
+from ...parallel.devices import to_device
 from ..models.text import COLORS
 
 __all__ = ["REWARDS", "ColorLatentReward", "MeanLatentReward", "Reward", "VideoColorReward", "build_reward"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...ledger import comm_kind
+from ...parallel.ledger import comm_kind
 from .loading import RewardSpec
 
 __all__ = ["RewardError", "RewardSet"]
@@ -159,7 +159,7 @@ class RewardSet:
             if problem:
                 raise RewardError(f"flowgrpo.rewards: {problem}")
             return
-        from ...comm import gather_ints
+        from ...parallel.gathers import gather_ints
 
         flags = gather_ints([int(problem is not None)], dist.group.WORLD, self._collective_device())
         failed = [rank for rank, (flag,) in enumerate(flags) if flag]

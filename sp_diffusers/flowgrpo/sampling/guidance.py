@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...devices import collective_device
-from ...ledger import comm_kind
+from ...parallel.devices import collective_device
+from ...parallel.ledger import comm_kind
 
 __all__ = ["WeightHolder", "gathers_once", "guided", "paired"]
 

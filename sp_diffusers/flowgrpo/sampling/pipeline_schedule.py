@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...devices import to_device
-from ...scheduler_configs import SCHEDULER_DEFAULTS
+from ...families.scheduler_configs import SCHEDULER_DEFAULTS
+from ...parallel.devices import to_device
 from .schedule import qwenimage_mu
 
 __all__ = [

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ...devices import to_device
+from ...parallel.devices import to_device
 from .dpm import DPMTail, dpm_solver_pp_step
 from .guidance import guided, paired
 from .pipeline_schedule import Schedule

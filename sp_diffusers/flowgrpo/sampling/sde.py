@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...devices import to_device
+from ...parallel.devices import to_device
 
 __all__ = [
     "SDE_TYPES",

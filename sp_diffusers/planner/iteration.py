@@ -1,0 +1,246 @@
+"""The RL iteration a user pays for (``sp-diffusers plan --rl``): its communication ledger, its memory with the
+rollout's weights gathered, and its seconds by phase, from fake runs of the trainer's own forward inputs.
+
+A FlowGRPO iteration on one data-parallel rank (B = prompts per rank x group size samples; CFG doubles a forward's
+batch, as the trainer runs both branches in one):
+
+    rollout        N forwards without grad at batch B (x2): the first gathers the parameters; while they are held
+                   (``rollout.gather_params``) the others gather nothing, else every forward gathers the blocks
+    old_log_probs  B / M micro-batches x T forwards without grad at batch M (x2) on the same weights: the
+                   recomputed old log-probs, on the micro-batches the update trains (bit for bit its arithmetic)
+    train          B / M micro-batches x T trained steps, each a forward and backward at batch M (x2)
+    optimizer      one AdamW step (clipping's norm)
+
+One fake run per layout traces the pieces in the order the trainer meets them, from the state it leaves between
+iterations (the root module resharded): two rollout forwards (and two at the micro-batch, for the old log-probs),
+two training micro-steps, the optimizer step, each
+under a :class:`~sp_diffusers.parallel.ledger.CommLedger` (the same counting the trainer writes to metrics.jsonl, the
+same bytes). What the first of a kind costs beyond the next (the rollout's gathers; the root module's own parameters,
+which FSDP2 keeps gathered after a forward until a backward, and the trainer reshards after a rollout) is in the
+first piece; the iteration is
+``first + (count - 1) x next`` per phase. The trainer's own exchanges outside the model (the batch broadcast to
+the SP group, rewards gathered over data parallelism) are not predicted: a few kilobytes that no layout changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .models import ModelSpec, PlanError
+from .shapes import Workload
+
+__all__ = ["Ledger", "Pieces", "RLKnobs", "compose", "iteration_inputs", "iteration_seconds", "trace_pieces"]
+
+Ledger = dict[tuple[str, str], tuple[int, int]]  # (phase, kind) -> (calls, bytes)
+
+_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim")  # the width of the text a family's transformer takes
+
+
+@dataclass(frozen=True)
+class RLKnobs:
+    """What sets an iteration's work (the trainer's keys in parentheses)."""
+
+    num_steps: int = 16  # denoising steps per rollout (flowgrpo.num_steps)
+    cfg: bool = False  # classifier-free guidance (flowgrpo.cfg_scale > 1): both branches in one forward
+    trained_steps: int = 2  # T: SDE window steps trained per sample (flowgrpo.window_size)
+    group_size: int = 16  # samples per prompt (flowgrpo.group_size)
+    prompts_per_rank: int = 1  # prompts per data-parallel rank (flowgrpo.prompts_per_rank)
+    gather: str = "auto"  # rollout.gather_params: once ("always"), per step ("never"), or auto by memory
+    update_gather: str = "never"  # update.gather_params: held over an optimizer step's micro-steps, or per block
+    recompute_old_log_probs: bool = True
+    kl: bool = False  # a KL reference forward (adapters off, LoRA only) per trained step
+
+    @property
+    def samples(self) -> int:
+        return self.prompts_per_rank * self.group_size
+
+    def check(self, micro_batch: int, lora: bool) -> None:
+        for name, value in (
+            ("--num-steps", self.num_steps),
+            ("--trained-steps", self.trained_steps),
+            ("--group-size", self.group_size),
+            ("--prompts-per-rank", self.prompts_per_rank),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} {value!r} is invalid: it must be a positive integer")
+        if self.trained_steps > self.num_steps:
+            raise PlanError(f"--trained-steps {self.trained_steps} exceeds --num-steps {self.num_steps}")
+        if self.samples % micro_batch:
+            raise PlanError(
+                f"--batch {micro_batch} (the training micro-batch) does not divide the {self.samples} samples per "
+                f"rank (--prompts-per-rank {self.prompts_per_rank} x --group-size {self.group_size}); fix: a "
+                "divisor of it"
+            )
+        for name, value in (("--gather", self.gather), ("--update-gather", self.update_gather)):
+            if value not in ("auto", "always", "never"):
+                raise PlanError(f"{name} {value!r}: choose auto, always or never")
+        if self.kl and not lora:
+            raise PlanError("--kl needs --lora-rank: the reference is the base model with the adapters off")
+
+
+@dataclass
+class Pieces:
+    """Each traced piece's ledger: the rollout's first and next forwards with the weights held (``held_*``) and
+    gathered per forward (``step_*``), a next forward at the micro-batch both ways (``recompute_*``: the old
+    log-probs), the first and next training micro-steps, the optimizer step."""
+
+    held_first: Ledger
+    held_next: Ledger
+    step_first: Ledger
+    step_next: Ledger
+    recompute_held: Ledger
+    recompute_step: Ledger
+    train_first: Ledger
+    train_next: Ledger
+    optimizer: Ledger
+    update_first: Ledger  # the training micro-steps on weights held over an optimizer step
+    update_next: Ledger
+
+    def as_dict(self) -> dict[str, Ledger]:
+        return dict(vars(self))
+
+
+def _axpy(into: dict, ledger: Ledger, times: int, phase: str | None = None) -> None:
+    for (p, kind), (calls, nbytes) in ledger.items():
+        key = (phase or p, kind)
+        c, b = into.get(key, (0, 0))
+        into[key] = (c + times * calls, b + times * nbytes)
+
+
+def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool, update_held: bool = False) -> Ledger:
+    """The iteration's ledger of one rank: each phase's first piece plus ``count - 1`` next ones; ``held``: the
+    rollout's weights gathered once; ``update_held``: the optimizer step's micro-steps on weights gathered once."""
+    out: dict = {}
+    first, nxt = (pieces.held_first, pieces.held_next) if held else (pieces.step_first, pieces.step_next)
+    _axpy(out, first, 1)
+    _axpy(out, nxt, rl.num_steps - 1)
+    micro_steps = rl.samples // micro_batch * rl.trained_steps
+    if rl.recompute_old_log_probs:
+        recompute = pieces.recompute_held if held else pieces.recompute_step
+        _axpy(out, recompute, micro_steps, phase="old_log_probs")
+    train_first, train_next = (
+        (pieces.update_first, pieces.update_next) if update_held else (pieces.train_first, pieces.train_next)
+    )
+    _axpy(out, train_first, 1)
+    _axpy(out, train_next, micro_steps - 1)
+    _axpy(out, pieces.optimizer, 1)
+    return {k: v for k, v in out.items() if v[0]}
+
+
+# ---------------------------------------------------------------------------------------------- the fake run
+
+
+def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> Any:
+    """``inputs(batch, timestep) -> forward kwargs`` as the trainer makes them (``flowgrpo.models`` adapters: the
+    one source of how each family is called), text of ``work.text_len`` tokens, masked where the family takes a
+    mask. Families the trainer has no adapter for are refused."""
+    from ..flowgrpo.models.adapters import build_adapter
+
+    f = spec.family
+    t, h, w = work.grid
+    if spec.condition:
+        raise PlanError(
+            f"--rl: {spec.name} is image-conditioned ({spec.condition}); the RL iteration plan does not feed a "
+            "condition yet; fix: plan its train step without --rl"
+        )
+    try:
+        adapter = build_adapter(model, h * f.patch, True, t * f.patch_t, work.text_len, 3.5, w * f.patch)
+    except ValueError as err:
+        raise PlanError(f"--rl: {spec.name}: {err}") from None
+    config = model.config
+    width = next((config[k] for k in _TEXT_DIM_KEYS if k in config), None)
+    pooled = config.get("pooled_projection_dim")
+
+    def inputs(batch: int, timestep: torch.Tensor) -> dict[str, Any]:
+        dtype = next(model.parameters()).dtype
+        latents = torch.randn(adapter.latent_shape(batch)).to(dtype)
+        embeds = torch.randn(batch, work.text_len, width).to(dtype)
+        mask = torch.ones(batch, work.text_len, dtype=torch.bool)
+        extra = torch.randn(batch, pooled).to(dtype) if pooled and f.kind in ("sd3", "flux") else None
+        return adapter.inputs(latents, timestep, embeds, mask, extra)
+
+    return inputs
+
+
+def _rollout_pair(engine: Any, inputs: Any, batch: int, held: bool, ledger: Any) -> tuple[Ledger, Ledger]:
+    from ..parallel.ledger import comm_phase
+
+    engine.model.reshard()  # as an iteration starts: the last backward resharded the root too
+    hold = engine.gathered_params() if held else contextlib.nullcontext()
+    with engine.eval_mode(), comm_phase("rollout"), hold:
+        engine.forward(**inputs(batch, torch.tensor(500.0)))
+        first = ledger.take()
+        engine.forward(**inputs(batch, torch.tensor(400.0)))
+        second = ledger.take()
+    engine.release_params()  # as the trainer's WeightHolder closes: the root's own parameters too
+    return first, second
+
+
+def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: bool) -> Pieces:
+    """The pieces of :class:`Pieces`, run in the order the trainer meets them (module doc), each counted."""
+    from ..parallel.ledger import CommLedger, comm_phase
+
+    ledger = CommLedger()
+    factor = 2 if rl.cfg else 1
+    rollout_batch, train_batch = rl.samples * factor, micro_batch * factor
+    with ledger.recording():
+        step_first, step_next = _rollout_pair(engine, inputs, rollout_batch, False, ledger)
+        held_first, held_next = _rollout_pair(engine, inputs, rollout_batch, True, ledger)
+        recompute_step = _rollout_pair(engine, inputs, train_batch, False, ledger)[1]
+        recompute_held = _rollout_pair(engine, inputs, train_batch, True, ledger)[1]
+
+        def loss_fn(eng: Any, _batch: Any) -> tuple[torch.Tensor, dict]:
+            kwargs = inputs(train_batch, torch.full((train_batch,), 500.0))
+            out = eng.forward(**kwargs).float().square().mean()
+            if rl.kl and lora:
+                with torch.no_grad(), eng.adapters_disabled(), comm_phase("reference"):
+                    out = out + 0.0 * eng.forward(**kwargs).float().mean()
+            return out, {}
+
+        engine.forward_backward(None, loss_fn)  # as the trainer's update calls it
+        train_first = ledger.take()
+        engine.forward_backward(None, loss_fn)
+        train_next = ledger.take()
+        engine.optimizer_step()
+        optimizer = ledger.take()
+        _rollout_pair(engine, inputs, rollout_batch, held=True, ledger=ledger)  # the next iteration's state
+        ledger.take()
+        with engine.gathered_params(backward=True):
+            engine.forward_backward(None, loss_fn)
+            update_first = ledger.take()
+            engine.forward_backward(None, loss_fn)
+            update_next = ledger.take()
+        engine.optimizer_step()
+        ledger.take()
+    return Pieces(
+        held_first, held_next, step_first, step_next, recompute_held, recompute_step, train_first, train_next,
+        optimizer, update_first, update_next,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- time
+
+
+def iteration_seconds(
+    rollout_forward: dict[str, float],
+    train_step: dict[str, float],
+    gather_seconds: float,
+    rl: RLKnobs,
+    micro_batch: int,
+    held: bool,
+) -> dict[str, float]:
+    """Seconds per phase: ``rollout_forward`` / ``train_step`` are ``hardware.step_seconds`` terms of one rollout
+    forward (at the rollout's batch) and one training micro-step; ``gather_seconds`` what gathering every
+    parameter once takes. A gather is hidden behind the compute it overlaps (FSDP prefetches the next block)."""
+    fwd = rollout_forward["compute"] + rollout_forward["sp_comm"]
+    exposed = max(0.0, gather_seconds - rollout_forward["compute"])
+    rollout = rl.num_steps * fwd + (exposed if held else rl.num_steps * exposed)
+    # the old log-probs: the compute of T rollout forwards, in B / M micro-batches that each gather unless held
+    micro_batches = rl.samples // micro_batch
+    old = rl.trained_steps * (fwd + (0.0 if held else micro_batches * exposed)) if rl.recompute_old_log_probs else 0.0
+    train = rl.samples // micro_batch * rl.trained_steps * train_step["total"]
+    return {"rollout": rollout, "old_log_probs": old, "train": train, "total": rollout + old + train}
