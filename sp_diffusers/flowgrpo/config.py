@@ -1,37 +1,19 @@
-"""The FlowGRPO training configuration: YAML sections -> dataclasses, with errors that name the key.
+"""The training configuration: one dataclass per YAML section (their defaults are the keys' defaults), loaded
+from YAML with errors that name the key, and the values that cannot train refused (``validate``).
 
-A key that does not exist is refused with the closest valid keys suggested (a typo never silently
-falls back to a default); values are type-checked against the dataclass fields. The sections and their defaults:
-``config_schema.py``; the values that cannot train: ``config_checks.py`` (``validate``).
+A key that does not exist is refused with the closest valid keys suggested (a typo never silently falls back to
+a default); values are type-checked against the dataclass fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
+import math
 import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from .config_checks import validate
-from .config_schema import (
-    GATHER_MODES,
-    LOGGERS,
-    TINY_KIND,
-    ConfigError,
-    DataConfig,
-    FlowGRPOConfig,
-    LoraConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RolloutConfig,
-    TextConfig,
-    TrainConfig,
-    TrainLoopConfig,
-    UpdateConfig,
-)
 
 __all__ = [
     "GATHER_MODES",
@@ -53,6 +35,333 @@ __all__ = [
     "load_config",
     "validate",
 ]
+
+GATHER_MODES = ("auto", "always", "never")
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message names it and the fix."""
+
+
+TINY_KIND = "qwenimage"  # model.kind left out, and no folder to take it from: the tiny model of this family
+
+
+@dataclass
+class ModelConfig:
+    # model family (sp_diffusers.families.kinds): "" (left out) takes it from model.pipeline's or model.pretrained's
+    # folder, else TINY_KIND; given, it must agree with the folder (folder_checks.py)
+    kind: str = ""
+    pretrained: str = ""  # a transformer folder written by save_pretrained (its config.json names its class)
+    # a diffusers pipeline folder (save_pretrained / a model repository): its transformer(s), text encoder(s),
+    # scheduler and VAE; its pipeline class gives model.kind (pipeline_io.py)
+    pipeline: str = ""
+    # a two-expert Wan2.2 pipeline: which to train, of transformer (high noise) and transformer_2 (low noise); []: all
+    experts: list = field(default_factory=list)
+    overrides: dict = field(default_factory=dict)  # tiny-config overrides, e.g. {num_layers: 2}
+    image_size: int = 8  # latent height before patching (pixels / the VAE's factor; tokens = (size / patch)^2)
+    image_width: int = 0  # latent width (0: image_size, square)
+    frames: int = 4  # latent frames of a video family (wan); image families ignore it
+    # editing families (Qwen-Image-Edit, FLUX.1 Kontext): the condition image's area in pixels; 0: the pipeline's
+    # own (about 1 MP), at the output's aspect ratio (models/conditioning.py)
+    condition_area: int = 0
+    seed: int = 0
+
+
+@dataclass
+class TextConfig:
+    # the built-in encoder when `pipeline` is empty: "byte" (a tiny Qwen2 over UTF-8 bytes, ragged), "umt5" (a
+    # tiny UMT5 over ByT5 bytes, zero-padded to max_sequence_length as WanPipeline does); "": umt5 for wan, else byte
+    encoder: str = ""
+    hidden_size: int = 32
+    num_layers: int = 1
+    seed: int = 1234
+    # a diffusers pipeline folder whose own text encoders encode the prompts (Qwen-Image, FLUX.1, SD3, Wan); "":
+    # model.pipeline's
+    pipeline: str = ""
+    max_sequence_length: int = 256  # text tokens: T5 of a pipeline encoder, UMT5 (Wan pads prompts to it)
+
+
+@dataclass
+class ParallelConfig:
+    ulysses_sequence_parallel_size: int = 2
+    ring_degree: int = 1
+    # HSDP: shard within each of dp_replicate groups of world / dp_replicate ranks (a node), replicate across
+    dp_replicate: int = 1
+    use_fsdp: bool = True
+    mixed_precision: str = ""  # "" (fp32) or "bf16"
+    activation_checkpointing: bool = False
+    debug_checks: bool = False
+    pad_text_to_degree: bool = False  # pad prompts to a multiple of the SP degree (any length shards exactly)
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 8.0
+    target_modules: list = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    init: str | bool = (
+        "gaussian"  # peft init_lora_weights: "gaussian", True (B = 0) or False (random A and B)
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class FlowGRPOConfig:
+    # flow_grpo (arXiv 2505.05470: an SDE window, the rest ODE) or dance_grpo (arXiv 2505.07818: every step SDE,
+    # each sample trains on a random timestep_fraction of steps 0..N-2)
+    algorithm: str = "flow_grpo"
+    sde_type: str = "sde"  # flow_grpo's step: "sde" (its default) or "cps" (coefficients-preserving sampling)
+    num_steps: int = 8  # denoising steps per rollout
+    # "pipeline": the family's scheduler as its diffusers pipeline sets it; "linspace": DanceGRPO's
+    # shift(linspace(1, 0, N + 1)); "auto": linspace for dance_grpo, else pipeline
+    schedule: str = "auto"
+    scheduler: str = (
+        ""  # a pipeline or scheduler folder whose scheduler config to use ("": text.pipeline's, else default)
+    )
+    shift: float = 0.0  # time shift: pipeline schedule: replaces the scheduler's static shift (0: keep it); linspace: required
+    window_size: int = 2  # flow_grpo: SDE steps per rollout (the rest is ODE)
+    window_range: list = field(default_factory=lambda: [0, 4])  # flow_grpo: window start drawn from [lo, hi)
+    # the trained fraction of the steps; 0: the algorithm's (dance_grpo 0.6: int((N - 1) * fraction) random steps per
+    # sample; flow_grpo / grpo_guard with sde_steps "all" 0.99: the first int(N * fraction) steps, in order)
+    timestep_fraction: float = 0.0
+    noise_level: float = 0.8  # sde: a; cps: a in (0, 1); dance_grpo: eta (DanceGRPO uses 0.3)
+    group_size: int = 4  # samples per prompt
+    prompts_per_rank: int = 2  # prompts per data-parallel rank per iteration
+    micro_batch_size: int = 4
+    mini_batches: int = 1  # optimizer steps per iteration
+    inner_epochs: int = 1
+    clip_range: float = 1e-3
+    adv_clip_max: float = 5.0
+    kl_coef: float = 0.0
+    # dance_grpo's KL scale: "verl_omni" divides by the step's noise variance eta^2 (sigma - sigma') (the Gaussian
+    # KL of the two steps, as verl-omni's dance_sde); "flow_grpo" by eta^2 (no dt factor, as flow_grpo's SDE KL)
+    dance_kl: str = "verl_omni"
+    recompute_old_log_probs: bool = True
+    # an exponential moving average of the trained weights (flow_grpo's train.ema), used for evaluation, sample
+    # grids and export: decay min((1 + s) / (10 + s), ema_decay) at optimizer step s, every ema_interval steps
+    ema: bool = False
+    ema_decay: float = 0.9
+    ema_interval: int = 8
+    drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
+    cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
+    guidance_scale: float = 3.5  # FLUX.1-dev's embedded guidance (FluxPipeline's default); models without one ignore it
+    reward: str = "color"  # the built-in reward when `rewards` is empty: color, video_color, mean_latent
+    # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
+    # kwargs, name}]; the total is the weighted sum (reward_loading.py)
+    rewards: list = field(default_factory=list)
+    # DiffusionNFT (arXiv 2509.16117; flowgrpo.algorithm: diffusion_nft; algorithms/diffusion_nft.py), the
+    # reference's defaults (NVlabs/DiffusionNFT config/nft.py): the implicit policies' mix beta (0.1 in its OCR and
+    # multi-reward configs), the old policy's decay schedule (copy | linear_to_0_5 | delayed_linear_to_0_999, its
+    # decay_type 0 | 1 | 2), the fraction of the N timesteps each sample trains, the rollout's solver (dpm2 | euler)
+    nft_beta: float = 1.0
+    nft_decay: str = "linear_to_0_5"
+    nft_timestep_fraction: float = 0.99
+    nft_solver: str = "dpm2"
+    # flow_grpo / grpo_guard (Flow-GRPO arXiv 2505.05470, its Fast variant; GRPO-Guard arXiv 2510.22319):
+    # which rollout steps are SDE: "window" (window_size of them, ODE elsewhere; every window step trained), "all"
+    # (every step; the first int(N * timestep_fraction) trained), "auto" (window for flow_grpo, all for grpo_guard)
+    sde_steps: str = "auto"
+    per_sample_windows: bool = False  # "window": each sample its own start in window_range (verl-omni's)
+    ratio_norm: bool = True  # grpo_guard: RatioNorm and the 1 / mean(sqrt(-dt))^2 reweighting (false: the plain ratio)
+    # grpo_guard: the ratio's mean-drift bias per sample ("sample", verl-omni) or its micro-batch mean ("batch", as
+    # flow_grpo's script computes it)
+    guard_bias: str = "sample"
+    # MixGRPO (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window of mix_window_size SDE
+    # steps whose start moves with training (mix_strategy), Euler ODE before it, Euler or DPM-Solver++ after it
+    mix_window_size: int = 4  # SDE (and trained) steps per rollout; the window ends before step num_steps - 2
+    mix_strategy: str = "progressive"  # progressive, random, decay, exp_decay: how the window's start moves
+    mix_iters_per_group: int = 25  # iterations between two moves (progressive; exp_decay before its threshold)
+    mix_prog_overlap: bool = False  # move by mix_prog_overlap_step instead of by mix_window_size
+    mix_prog_overlap_step: int = 1  # (the released FLUX script: 1; MixGRPO-Flash*: 0, a window that stays at 0)
+    mix_roll_back: bool = False  # past step num_steps - 2: back to step 0 (true) or stay at the end (false)
+    mix_max_iters_per_group: int = 10  # decay: iterations per move at step 0, falling linearly ...
+    mix_min_iters_per_group: int = 1  # ... to this at step num_steps - 2
+    mix_exp_decay_threshold: int = 13  # exp_decay: iterations per move fall as exp(-k (start - threshold)) past it
+    mix_exp_decay_k: float = 0.1
+    mix_tail_solver: str = "euler"  # after the window: "euler", or "dpmsolver++" (multistep, order 2), fewer steps
+    mix_tail_compress_ratio: float = 0.4  # dpmsolver++: int((num_steps - last window step) * ratio) tail points
+    mix_dpm_solver_type: str = "midpoint"  # dpmsolver++'s second-order form: midpoint or heun
+    mix_kl_coef: float = 0.01  # 0.5 mean((log_prob - old_log_prob)^2) per trained step (the reference's kl_loss)
+    mix_same_noise: bool = False  # the samples of a prompt start from one noise (the reference's init_same_noise)
+
+
+@dataclass
+class RolloutConfig:
+    # the parameters of a rollout: "always" all-gathered once and held over its denoising steps and the recomputed
+    # old log-probs (one gather per rollout, not one per step), "never" gathered per forward as FSDP does, "auto"
+    # once where the whole model fits the device's free memory with a quarter of it to spare (engine/held_params.py)
+    gather_params: str = "auto"
+    cfg_batch: bool = True  # classifier-free guidance's two branches as one forward of 2B samples (false: two)
+
+
+@dataclass
+class UpdateConfig:
+    # the policy update's parameters: "always" gathered at an optimizer step's first micro-step and held through
+    # its forwards and backwards (gradients still reduce-scattered after each backward), resharded before the step:
+    # one gather per optimizer step instead of two per micro-step; "never" per block, as FSDP does; "auto" held
+    # where the whole model in the compute dtype fits with a quarter of the device to spare (training's
+    # activations must fit in that quarter: plan --rl says whether they do)
+    gather_params: str = "never"
+
+
+@dataclass
+class DataConfig:
+    # a .txt (one prompt a line) or .jsonl ({"prompt": ..., other fields go to the rewards as metadata}) file,
+    # shuffled per epoch from train.seed; "": the `prompts` list, drawn at random
+    train: str = ""
+    eval: str = ""  # held-out prompts (same formats) that train.eval_every evaluates
+
+
+@dataclass
+class TrainLoopConfig:
+    iterations: int = 60
+    out_dir: str = "runs/flowgrpo-tiny"
+    save_every: int = 20
+    eval_every: int = 0  # evaluate data.eval every N iterations (ODE, fixed noise); 0: never
+    sample_every: int = 0  # write a grid of samples to <out_dir>/samples every N iterations; 0: never
+    sample_count: int = 4  # prompts in a sample grid
+    resume: bool = True
+    seed: int = 0
+    progress: bool = True
+    plot: bool = True
+    # where rank 0 writes the metrics: jsonl (always), tensorboard (when installed), wandb (Weights & Biases;
+    # WANDB_MODE=offline keeps the run on disk, `wandb sync` uploads it later)
+    loggers: list = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    wandb_project: str = "sp-diffusers"
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    flowgrpo: FlowGRPOConfig = field(default_factory=FlowGRPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    prompts: list = field(default_factory=list)  # empty: sp_diffusers.flowgrpo.models.text.DEFAULT_PROMPTS
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------ values that cannot train
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+def validate(config: TrainConfig) -> None:
+    """Values that type-check but cannot train (each error names the key, the value and the rule)."""
+    from ..families.kinds import KINDS
+
+    g, o, t = config.flowgrpo, config.optim, config.train
+    finite = math.isfinite
+    m = config.model
+    _require(
+        m.kind in KINDS or m.kind == "",
+        "model.kind",
+        m.kind,
+        f"one of {', '.join(KINDS)}, or leave it out to take it from model.pipeline / model.pretrained",
+    )
+    if not (m.kind or m.pipeline or m.pretrained):
+        m.kind = TINY_KIND  # no folder to take the family from: the tiny default (a folder's is read at start)
+    _require(t.iterations >= 1, "train.iterations", t.iterations, "train at least 1 iteration")
+    _require(
+        t.save_every >= 0, "train.save_every", t.save_every, "0 (only at the end) or a positive interval"
+    )
+    for key, value in (
+        ("parallel.dp_replicate", config.parallel.dp_replicate),
+        ("flowgrpo.micro_batch_size", g.micro_batch_size),
+        ("flowgrpo.mini_batches", g.mini_batches),
+        ("flowgrpo.inner_epochs", g.inner_epochs),
+        ("flowgrpo.prompts_per_rank", g.prompts_per_rank),
+        ("flowgrpo.window_size", g.window_size),
+    ):
+        _require(value >= 1, key, value, "must be >= 1")
+    _require(
+        g.group_size >= 2,
+        "flowgrpo.group_size",
+        g.group_size,
+        "must be >= 2: a group of one sample has no relative advantage (every advantage is 0)",
+    )
+    _require(g.num_steps >= 2, "flowgrpo.num_steps", g.num_steps, "must be >= 2 denoising steps")
+    _require(
+        g.window_size <= g.num_steps,
+        "flowgrpo.window_size",
+        g.window_size,
+        f"must be <= flowgrpo.num_steps={g.num_steps}",
+    )
+    # lr = 0 is allowed: a benchmark or a probe may run the update without moving the model
+    _require(finite(o.lr) and o.lr >= 0, "optim.lr", o.lr, "must be a finite number >= 0")
+    for key, value in (
+        ("optim.eps", o.eps),
+        ("flowgrpo.noise_level", g.noise_level),
+        ("flowgrpo.clip_range", g.clip_range),
+    ):
+        _require(finite(value) and value > 0, key, value, "must be a finite number > 0")
+    for key, value in (
+        ("optim.weight_decay", o.weight_decay),
+        ("flowgrpo.kl_coef", g.kl_coef),
+        ("flowgrpo.adv_clip_max", g.adv_clip_max),
+    ):
+        _require(finite(value) and value >= 0, key, value, "must be a finite number >= 0")
+    # NaN compares false with everything: a NaN max norm would silently turn clipping off
+    _require(
+        finite(o.max_grad_norm), "optim.max_grad_norm", o.max_grad_norm, "a finite number (<= 0: no clipping)"
+    )
+    _require(
+        finite(g.cfg_scale) and g.cfg_scale >= 1.0,
+        "flowgrpo.cfg_scale",
+        g.cfg_scale,
+        "must be >= 1 (1: no CFG)",
+    )
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(0 <= g.ema_decay < 1, "flowgrpo.ema_decay", g.ema_decay, "must be in [0, 1); flow_grpo uses 0.9")
+    _require(g.ema_interval >= 1, "flowgrpo.ema_interval", g.ema_interval, "must be >= 1; flow_grpo uses 8")
+    for key, value in (
+        ("rollout.gather_params", config.rollout.gather_params),
+        ("update.gather_params", config.update.gather_params),
+    ):
+        _require(value in GATHER_MODES, key, value, f"one of {', '.join(GATHER_MODES)}")
+    for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
+        _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
+    _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
+    unknown = [x for x in t.loggers if x not in LOGGERS]
+    _require(not unknown, "train.loggers", t.loggers, f"each one of {', '.join(LOGGERS)} (unknown: {unknown})")
+    if "wandb" in t.loggers:
+        import importlib.util
+
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            "train.loggers",
+            t.loggers,
+            "wandb is not installed; fix: pip install 'sp-diffusers[wandb]' (or drop wandb from train.loggers)",
+        )
+    _require(
+        not t.eval_every or bool(config.data.eval),
+        "train.eval_every",
+        t.eval_every,
+        "evaluates the held-out prompts of data.eval; fix: data.eval=<a .txt or .jsonl file>, or train.eval_every=0",
+    )
+
+
+# ---------------------------------------------------------------------------------------- loading
 
 
 def _check_type(path: str, value: Any, annotation: Any) -> Any:
@@ -130,6 +439,3 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> None:
         for part in reversed(key.strip().split(".")):
             nested = {part: nested}
         _merge(config, nested, "")
-
-
-_ = types  # typing helpers only
