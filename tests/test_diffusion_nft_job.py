@@ -31,11 +31,34 @@ def test_diffusion_nft_job_reward_rises_at_sp2(tmp_path):
     prompts.write_text("a red ball\n")
     out = tmp_path / "run"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "sp_diffusers.cli", "train", "--config", CONFIG, "--iterations", str(ITERATIONS), "--out-dir", str(out),
-        "--set", "optim.lr=1e-3", "--set", "flowgrpo.num_steps=6", "--set", f"data.train={prompts}",
-        "--set", "train.save_every=0", "--set", "train.progress=false", "--set", "train.plot=false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "sp_diffusers.cli",
+        "train",
+        "--config",
+        CONFIG,
+        "--iterations",
+        str(ITERATIONS),
+        "--out-dir",
+        str(out),
+        "--set",
+        "optim.lr=1e-3",
+        "--set",
+        "flowgrpo.num_steps=6",
+        "--set",
+        f"data.train={prompts}",
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.progress=false",
+        "--set",
+        "train.plot=false",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -43,12 +66,22 @@ def test_diffusion_nft_job_reward_rises_at_sp2(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in lines] == list(range(1, ITERATIONS + 1))
     for m in lines:
-        for key in ("reward_mean", "loss", "policy_loss", "old_deviate", "old_policy_decay", "grad_norm", "lr"):
+        for key in (
+            "reward_mean",
+            "loss",
+            "policy_loss",
+            "old_deviate",
+            "old_policy_decay",
+            "grad_norm",
+            "lr",
+        ):
             assert key in m and m[key] == m[key], key  # present and not NaN
         assert "ppo_kl" not in m  # no ratio
     # the old policy trails the trained one: on-policy at the first update only (decay 0.001 s afterwards)
     assert lines[0]["old_deviate"] == 0.0 and lines[-1]["old_deviate"] > 0.0
-    assert [m["old_policy_decay"] for m in lines] == pytest.approx([0.001 * (i + 1) for i in range(ITERATIONS)])
+    assert [m["old_policy_decay"] for m in lines] == pytest.approx(
+        [0.001 * (i + 1) for i in range(ITERATIONS)]
+    )
     rewards = [m["reward_mean"] for m in lines]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last - first >= MARGIN, f"the reward did not rise by {MARGIN}: {rewards}"

@@ -61,10 +61,23 @@ def _resolve(case: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [
-            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-            "--disable-pip-version-check", "--timeout", "30", "--retries", "2", "--report", str(report),
-            *_requirements(extras), *pins,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--timeout",
+            "30",
+            "--retries",
+            "2",
+            "--report",
+            str(report),
+            *_requirements(extras),
+            *pins,
+        ]
         env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}  # the index, not local files
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)

@@ -177,9 +177,15 @@ def test_sd3_schedule_is_the_pipelines(tmp_path):
         return kwargs
 
     pipe(
-        "a red cat", num_inference_steps=10, height=8 * pipe.vae_scale_factor, width=8 * pipe.vae_scale_factor,
-        output_type="latent", guidance_scale=1.0, max_sequence_length=16, callback_on_step_end=grab,
-    )  # fmt: skip
+        "a red cat",
+        num_inference_steps=10,
+        height=8 * pipe.vae_scale_factor,
+        width=8 * pipe.vae_scale_factor,
+        output_type="latent",
+        guidance_scale=1.0,
+        max_sequence_length=16,
+        callback_on_step_end=grab,
+    )
     ours = pipeline_schedule("sd3", 10, scheduler_config=load_scheduler_config(folder), image_seq_len=16)
     assert torch.equal(ours.sigmas, pipe.scheduler.sigmas.float())
     assert torch.equal(ours.timesteps, torch.tensor(seen, dtype=torch.float32))
@@ -230,9 +236,16 @@ def test_wan_schedule_is_the_pipelines(tmp_path):
         return kwargs
 
     pipe(
-        "a red cat", num_inference_steps=10, height=16, width=16, num_frames=5, output_type="latent",
-        guidance_scale=1.0, max_sequence_length=16, callback_on_step_end=grab,
-    )  # fmt: skip
+        "a red cat",
+        num_inference_steps=10,
+        height=16,
+        width=16,
+        num_frames=5,
+        output_type="latent",
+        guidance_scale=1.0,
+        max_sequence_length=16,
+        callback_on_step_end=grab,
+    )
     ours = pipeline_schedule("wan", 10, scheduler_config=load_scheduler_config(folder))
     assert torch.equal(ours.sigmas, pipe.scheduler.sigmas.float())
     assert torch.equal(ours.timesteps, torch.tensor(seen, dtype=torch.float32))

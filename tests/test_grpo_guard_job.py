@@ -24,12 +24,36 @@ def test_grpo_guard_job_raises_the_reward_at_sp2(tmp_path):
     out = tmp_path / "run"
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [
-        str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "train", "--config", CONFIG,
-        "--iterations", "10", "--out-dir", str(out),
-        "--set", "flowgrpo.num_steps=6", "--set", "flowgrpo.prompts_per_rank=2", "--set", "flowgrpo.micro_batch_size=8",
-        "--set", "optim.lr=2e-3", "--set", 'prompts=["a red cat", "a red house", "a red teapot"]',
-        "--set", "train.save_every=0", "--set", "train.plot=false", "--set", "train.progress=false",
-    ]  # fmt: skip
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "sp_diffusers.cli",
+        "train",
+        "--config",
+        CONFIG,
+        "--iterations",
+        "10",
+        "--out-dir",
+        str(out),
+        "--set",
+        "flowgrpo.num_steps=6",
+        "--set",
+        "flowgrpo.prompts_per_rank=2",
+        "--set",
+        "flowgrpo.micro_batch_size=8",
+        "--set",
+        "optim.lr=2e-3",
+        "--set",
+        'prompts=["a red cat", "a red house", "a red teapot"]',
+        "--set",
+        "train.save_every=0",
+        "--set",
+        "train.plot=false",
+        "--set",
+        "train.progress=false",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -37,7 +61,15 @@ def test_grpo_guard_job_raises_the_reward_at_sp2(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in lines] == list(range(1, 11))
     for m in lines:
-        for key in ("reward_mean", "loss", "ppo_kl", "approx_kl", "clipfrac", "clipfrac_gt_one", "ratio_mean_bias"):
+        for key in (
+            "reward_mean",
+            "loss",
+            "ppo_kl",
+            "approx_kl",
+            "clipfrac",
+            "clipfrac_gt_one",
+            "ratio_mean_bias",
+        ):
             assert key in m and m[key] == m[key], key  # present and not NaN
         assert m["trained_samples"] > 0
     rewards = [m["reward_mean"] for m in lines]

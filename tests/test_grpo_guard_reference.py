@@ -149,8 +149,16 @@ def test_guard_loss_matches_both_references(step, bias):
     clip = 2e-6 if step else 0.02  # the reference's clip; at step 0 a wide one, so both branches are taken
     ours, m = grpo_guard_loss(lp, old, adv, mean, old_mean, std, sqrt_dt, clip_range=clip, normalizer=3.0, bias=bias)
     ref_fn = _flow_grpo_guard if bias == "batch" else _verl_omni_guard
-    ref, ratio = ref_fn(lp, old, adv, mean, old_mean, std[:, None, None], sqrt_dt if bias == "sample" else
-                        sqrt_dt[:, None, None], clip)  # fmt: skip
+    ref, ratio = ref_fn(
+        lp,
+        old,
+        adv,
+        mean,
+        old_mean,
+        std[:, None, None],
+        sqrt_dt if bias == "sample" else sqrt_dt[:, None, None],
+        clip,
+    )
     _close(ours * 3.0, ref)
     _close(m["ratio_mean"], ratio.mean())
     g_ours = torch.autograd.grad(ours * 3.0, (lp, mean))
@@ -159,7 +167,9 @@ def test_guard_loss_matches_both_references(step, bias):
         _close(a, e)
     assert g_ours[1].abs().max() > 0  # the bias carries gradient to the step mean
     if bias == "sample":  # the two references differ: flow_grpo shares one bias across the micro-batch
-        other, _ = _flow_grpo_guard(lp, old, adv, mean, old_mean, std[:, None, None], sqrt_dt[:, None, None], clip)
+        other, _ = _flow_grpo_guard(
+            lp, old, adv, mean, old_mean, std[:, None, None], sqrt_dt[:, None, None], clip
+        )
         assert (other - ref).abs() > 1e-6 * ref.abs()
 
 
@@ -177,7 +187,9 @@ def test_guard_loss_on_policy_equal_and_negative_rewards():
     lp = torch.randn(8, dtype=torch.float64, requires_grad=True)
     std, sqrt_dt = torch.full((8,), 0.9, dtype=torch.float64), torch.full((8,), 0.2, dtype=torch.float64)
     loss, m = grpo_guard_loss(lp, lp.detach(), adv, mean, mean.detach(), std, sqrt_dt, clip_range=2e-6)
-    assert m["ratio_mean"].item() == 1.0 and m["ratio_std"].item() == 0.0 and m["ratio_mean_bias"].item() == 0.0
+    assert (
+        m["ratio_mean"].item() == 1.0 and m["ratio_std"].item() == 0.0 and m["ratio_mean_bias"].item() == 0.0
+    )
     assert m["ppo_kl"].item() == 0.0 and m["clipfrac"].item() == 0.0
     _close(loss, -adv.mean() / 0.04)
     # d rho / d log p = S = 0.9 * 0.2 at rho = 1, and the equal-reward samples get no gradient
@@ -201,13 +213,27 @@ def _step_case(per_sample: bool, kl: float = 0.0):
     """A stored 2-step window per sample (one start, or each sample its own) and the guard's context."""
     n, w, b = 8, 2, 4
     schedule = pipeline_schedule("sd3", n)
-    c = _config(algorithm="grpo_guard", sde_steps="window", num_steps=n, window_size=w, window_range=[0, n - w + 1],
-                noise_level=NOISE, clip_range=5e-3, kl_coef=kl)  # fmt: skip
+    c = _config(
+        algorithm="grpo_guard",
+        sde_steps="window",
+        num_steps=n,
+        window_size=w,
+        window_range=[0, n - w + 1],
+        noise_level=NOISE,
+        clip_range=5e-3,
+        kl_coef=kl,
+    )
     starts = torch.tensor([0, 6, 3, 1]) if per_sample else torch.full((b,), 2)
     g = torch.Generator().manual_seed(3)
     latents = torch.randn(b, w + 1, 5, 4, generator=g, dtype=torch.float64)
-    traj = Trajectory(latents, torch.zeros(b, w), int(starts.min()), latents[:, -1],
-                      train_steps=starts[:, None] + torch.arange(w), starts=starts)  # fmt: skip
+    traj = Trajectory(
+        latents,
+        torch.zeros(b, w),
+        int(starts.min()),
+        latents[:, -1],
+        train_steps=starts[:, None] + torch.arange(w),
+        starts=starts,
+    )
     traj.old_means = latents[:, 1:] + 0.03 * torch.randn(b, w, 5, 4, generator=g, dtype=torch.float64)
     old = torch.randn(b, w, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
@@ -236,19 +262,46 @@ def test_guard_step_loss_matches_verl_omni_through_the_seam(per_sample):
             sigma, nxt = sigmas[i].item(), sigmas[i + 1].item()
             std = _std_dev_t(sigmas, i, NOISE)
             dt = nxt - sigma
-            mu = x[row] * (1 + std**2 / (2 * sigma) * dt) + v[row] * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+            mu = (
+                x[row] * (1 + std**2 / (2 * sigma) * dt)
+                + v[row] * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+            )
             s = std * math.sqrt(-dt)
-            lp = (-((x_next[row] - mu) ** 2) / (2 * s**2) - math.log(s) - math.log(math.sqrt(2 * math.pi))).mean()
-            mus.append(mu.detach()), lps.append(lp.detach()), stds.append(std), sqrt_dts.append(math.sqrt(-dt))
+            lp = (
+                -((x_next[row] - mu) ** 2) / (2 * s**2) - math.log(s) - math.log(math.sqrt(2 * math.pi))
+            ).mean()
+            (
+                mus.append(mu.detach()),
+                lps.append(lp.detach()),
+                stds.append(std),
+                sqrt_dts.append(math.sqrt(-dt)),
+            )
         # the old policy near the current one: some ratios inside the clip range, some outside
         drift = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
         traj.old_means[:, k] = torch.stack(mus) + 0.01 * drift
         old[:, k] = torch.stack(lps) - torch.tensor([0.002, -0.3, 0.1, -0.01], dtype=torch.float64)
-        loss, m = guard.step_loss(engine, None, ctx=ctx, traj=traj, k=k, idx=idx, cond=cond, advantages=adv,
-                                  old_log_probs=old, normalizer=4.0)  # fmt: skip
-        ref, ratio = _verl_omni_guard(torch.stack(lps), old[:, k], adv, torch.stack(mus), traj.old_means[:, k],
-                                      torch.tensor(stds, dtype=torch.float64)[:, None, None],
-                                      torch.tensor(sqrt_dts, dtype=torch.float64), 5e-3)  # fmt: skip
+        loss, m = guard.step_loss(
+            engine,
+            None,
+            ctx=ctx,
+            traj=traj,
+            k=k,
+            idx=idx,
+            cond=cond,
+            advantages=adv,
+            old_log_probs=old,
+            normalizer=4.0,
+        )
+        ref, ratio = _verl_omni_guard(
+            torch.stack(lps),
+            old[:, k],
+            adv,
+            torch.stack(mus),
+            traj.old_means[:, k],
+            torch.tensor(stds, dtype=torch.float64)[:, None, None],
+            torch.tensor(sqrt_dts, dtype=torch.float64),
+            5e-3,
+        )
         _close(loss * 4.0, ref)
         _close(m["ratio_mean"], ratio.mean())
         assert 0 < m["clipfrac"].item() < 1  # both branches of the clip are exercised
@@ -262,8 +315,18 @@ def test_guard_step_loss_kl_is_flow_grpos():
     engine = _Engine()
     guard = GRPOGuard(c)
     idx = torch.arange(4)
-    _, m = guard.step_loss(engine, None, ctx=ctx, traj=traj, k=1, idx=idx, cond=cond, advantages=adv,
-                           old_log_probs=old, normalizer=1.0)  # fmt: skip
+    _, m = guard.step_loss(
+        engine,
+        None,
+        ctx=ctx,
+        traj=traj,
+        k=1,
+        idx=idx,
+        cond=cond,
+        advantages=adv,
+        old_log_probs=old,
+        normalizer=1.0,
+    )
     rule, step = StepRule("sde", NOISE), 3
     x, x_next = traj.latents[:, 1], traj.latents[:, 2]
     t = schedule.timesteps[step]
@@ -283,7 +346,7 @@ def test_guard_step_loss_kl_is_flow_grpos():
 
 @pytest.mark.parametrize(("algorithm", "fraction", "trained"), [
     ("grpo_guard", 0.0, 9), ("flow_grpo", 0.0, 9), ("grpo_guard", 1.0, 10), ("flow_grpo", 0.5, 5), ("grpo_guard", 0.35, 3)
-])  # fmt: skip
+])
 def test_timestep_fraction_trains_the_first_steps_in_order(algorithm, fraction, trained):
     """flow_grpo's train_sd3 loop trains ``range(int(N * timestep_fraction))`` of a full-SDE rollout; 0 means the
     reference configs' 0.99 (DanceGRPO keeps its own 0.6)."""
@@ -302,7 +365,9 @@ def test_per_sample_windows_draw_every_start_each_from_its_own_generator():
     """verl-omni's start = randint(r0, r1 - W + 1) per row: ours draws from [lo, hi) (hi = r1 - W + 1), reaches both
     ends, gives every sample W steps, and a sample's start does not depend on how many samples share the batch."""
     n, w = 8, 3
-    c = _config(sde_steps="window", per_sample_windows=True, num_steps=n, window_size=w, window_range=[0, n - w + 1])
+    c = _config(
+        sde_steps="window", per_sample_windows=True, num_steps=n, window_size=w, window_range=[0, n - w + 1]
+    )
     FlowGRPO.check(c)
     algo = FlowGRPO(c)
     seen = set()
@@ -327,7 +392,7 @@ def test_per_sample_windows_draw_every_start_each_from_its_own_generator():
     ({"sde_steps": "all", "sde_type": "cps", "kl_coef": 0.1, "timestep_fraction": 1.0}, r"trains the last step"),
     ({"algorithm": "grpo_guard", "sde_type": "cps"}, r"flowgrpo\.sde_type='cps'.*fix: flowgrpo\.sde_type=sde"),
     ({"algorithm": "grpo_guard", "guard_bias": "mean"}, r"flowgrpo\.guard_bias='mean'.*'sample'.*'batch'"),
-])  # fmt: skip
+])
 def test_bad_keys_are_named_with_the_fix(keys, words):
     from sp_diffusers.flowgrpo.build import check_algorithm
 
@@ -337,7 +402,9 @@ def test_bad_keys_are_named_with_the_fix(keys, words):
 
 def test_two_experts_refuse_per_sample_windows_and_share_the_first_steps():
     c = _config(sde_steps="window", per_sample_windows=True)
-    with pytest.raises(ConfigError, match=r"per_sample_windows=true with two experts.*per_sample_windows=false"):
+    with pytest.raises(
+        ConfigError, match=r"per_sample_windows=true with two experts.*per_sample_windows=false"
+    ):
         FlowGRPO(c).share_plan({"prompts": ["a"] * 2}, {0, 1, 2, 3}, torch.Generator())
     c = _config(algorithm="grpo_guard", num_steps=8)  # first 7 steps trained; the trained expert runs 4..7
     batch = {"prompts": ["a"] * 2}
@@ -355,8 +422,18 @@ def _rollout(starts, w=2, n=6, keep_means=False, device="cpu", seed=5):
     noise = torch.randn(b, 5, 4, generator=torch.Generator().manual_seed(1)).to(device)
     schedule = pipeline_schedule("sd3", n)
     cond = {k: v.to(device) for k, v in _cond(b).items()}
-    traj = rollout(engine, _Adapter(), cond, noise, schedule, starts, w, StepRule("sde", NOISE),
-                   torch.Generator().manual_seed(seed), keep_means=keep_means)  # fmt: skip
+    traj = rollout(
+        engine,
+        _Adapter(),
+        cond,
+        noise,
+        schedule,
+        starts,
+        w,
+        StepRule("sde", NOISE),
+        torch.Generator().manual_seed(seed),
+        keep_means=keep_means,
+    )
     return traj, engine, noise, schedule, cond
 
 
@@ -365,7 +442,9 @@ def test_per_sample_rollout_with_one_start_is_the_shared_rollout():
     mine = _rollout([2, 2, 2, 2], keep_means=True)[0]
     for name in ("latents", "log_probs", "final", "means"):
         assert torch.equal(getattr(mine, name), getattr(shared, name)), name
-    assert torch.equal(mine.steps(), shared.steps()) and torch.equal(mine.rollout_means(), shared.rollout_means())
+    assert torch.equal(mine.steps(), shared.steps()) and torch.equal(
+        mine.rollout_means(), shared.rollout_means()
+    )
 
 
 def test_per_sample_rollout_is_each_samples_own_rollout():
@@ -398,7 +477,11 @@ def test_per_sample_rollout_is_each_samples_own_rollout():
     assert torch.equal(traj.rollout_log_probs(), traj.log_probs)
     idx = torch.tensor([3, 1])
     steps, lat, nxt = traj.step_latents(idx, 1)
-    assert steps.tolist() == [2, 5] and torch.equal(lat, traj.latents[idx, 1]) and torch.equal(nxt, traj.latents[idx, 2])
+    assert (
+        steps.tolist() == [2, 5]
+        and torch.equal(lat, traj.latents[idx, 1])
+        and torch.equal(nxt, traj.latents[idx, 2])
+    )
 
 
 def test_per_sample_rollout_never_reads_the_device():

@@ -93,15 +93,29 @@ CASES = [
 def test_window_schedule_is_the_references(strategy, ipg, overlap, step, roll_back):
     n, size = 25, 4
     c = _mix_config(
-        num_steps=n, mix_window_size=size, mix_strategy=strategy, mix_iters_per_group=ipg,
-        mix_prog_overlap=overlap, mix_prog_overlap_step=step, mix_roll_back=roll_back,
-    )  # fmt: skip
+        num_steps=n,
+        mix_window_size=size,
+        mix_strategy=strategy,
+        mix_iters_per_group=ipg,
+        mix_prog_overlap=overlap,
+        mix_prog_overlap_step=step,
+        mix_roll_back=roll_back,
+    )
     g = c.flowgrpo
     MixGRPO.check(c)
     ref = _ReferenceStates(
-        ipg, size, n - 2, strategy, overlap, step, g.mix_max_iters_per_group, g.mix_min_iters_per_group,
-        roll_back, g.mix_exp_decay_threshold, g.mix_exp_decay_k,
-    )  # fmt: skip
+        ipg,
+        size,
+        n - 2,
+        strategy,
+        overlap,
+        step,
+        g.mix_max_iters_per_group,
+        g.mix_min_iters_per_group,
+        roll_back,
+        g.mix_exp_decay_threshold,
+        g.mix_exp_decay_k,
+    )
     ours = MixWindows(g)
     # enough iterations to reach the end at least twice (the slowest case: 23 moves of 25 iterations)
     seen = []
@@ -129,7 +143,9 @@ def test_window_schedule_is_the_references(strategy, ipg, overlap, step, roll_ba
 def test_window_schedule_ends_and_resume():
     """Both ends spelled out (progressive, stride 1, 2 iterations per position), and a window asked out of order
     (a resumed run) equal to the one reached in order."""
-    c = _mix_config(num_steps=10, mix_window_size=3, mix_iters_per_group=2, mix_prog_overlap=True, mix_roll_back=True)
+    c = _mix_config(
+        num_steps=10, mix_window_size=3, mix_iters_per_group=2, mix_prog_overlap=True, mix_roll_back=True
+    )
     w = MixWindows(c.flowgrpo)
     got = [w.window(i, torch.Generator())[:2] for i in range(20)]
     # max = 8: starts 0, 0, 1, 1, ..., 5, 5 (full windows), 6, 6 (steps 6, 7), 7, 7 (step 7), 8, 8 (none), 0, 0
@@ -137,7 +153,10 @@ def test_window_schedule_ends_and_resume():
     assert got[12:18] == [(6, 8), (6, 8), (7, 8), (7, 8), (8, 8), (8, 8)]
     assert got[18:] == [(0, 3), (0, 3)]
     fresh = MixWindows(c.flowgrpo)
-    assert fresh.window(17, torch.Generator())[:2] == (8, 8) and fresh.window(3, torch.Generator())[:2] == (1, 4)
+    assert fresh.window(17, torch.Generator())[:2] == (8, 8) and fresh.window(3, torch.Generator())[:2] == (
+        1,
+        4,
+    )
 
 
 def test_random_windows_are_uniform_and_shared():
@@ -204,7 +223,9 @@ def test_loss_is_the_references():
         std = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sig[1], sigma))) * eta
         mean = x * (1 + std**2 / (2 * sigma) * dt) + pred * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
         scale = std * torch.sqrt(-dt)
-        lp = (-((nxt - mean) ** 2) / (2 * scale**2) - torch.log(scale) - math.log(math.sqrt(2 * math.pi))).mean((1, 2))
+        lp = (
+            -((nxt - mean) ** 2) / (2 * scale**2) - torch.log(scale) - math.log(math.sqrt(2 * math.pi))
+        ).mean((1, 2))
         old = lp - torch.tensor([5e-5, -3e-4, 2e-4, 1e-3], dtype=torch.float64)  # inside and outside the clip
         ratio = torch.exp(lp - old)
         policy = torch.mean(torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip, 1 + clip)))
@@ -212,9 +233,17 @@ def test_loss_is_the_references():
         old_table = torch.zeros(b, 2, dtype=torch.float64)
         old_table[:, k] = old
         loss, metrics = algorithm.step_loss(
-            _Engine(model), None, ctx=ctx, traj=traj, k=k, idx=torch.arange(b), cond=_COND,
-            advantages=advantages, old_log_probs=old_table, normalizer=normalizer,
-        )  # fmt: skip
+            _Engine(model),
+            None,
+            ctx=ctx,
+            traj=traj,
+            k=k,
+            idx=torch.arange(b),
+            cond=_COND,
+            advantages=advantages,
+            old_log_probs=old_table,
+            normalizer=normalizer,
+        )
         assert loss.dtype == torch.float64
         torch.testing.assert_close(loss, (policy + kl_coeff * kl) / normalizer, atol=F64, rtol=0)
         torch.testing.assert_close(metrics["kl_loss"], kl, atol=F64, rtol=0)
@@ -244,7 +273,10 @@ def test_advantages_are_the_references():
         ({"sde_type": "cps"}, r"flowgrpo\.sde_type='cps'.*Flow-GRPO's SDE step"),
         ({"mix_strategy": "linear"}, r"flowgrpo\.mix_strategy='linear'.*progressive"),
         ({"mix_window_size": 0}, r"flowgrpo\.mix_window_size=0: at least 1"),
-        ({"mix_strategy": "random", "num_steps": 5}, r"flowgrpo\.mix_window_size=4.*at most num_steps - 2 = 3"),
+        (
+            {"mix_strategy": "random", "num_steps": 5},
+            r"flowgrpo\.mix_window_size=4.*at most num_steps - 2 = 3",
+        ),
         ({"mix_tail_solver": "unipc"}, r"flowgrpo\.mix_tail_solver='unipc'.*dpmsolver\+\+"),
         ({"mix_tail_compress_ratio": 0.0}, r"flowgrpo\.mix_tail_compress_ratio=0\.0: in \(0, 1\]"),
         ({"mix_dpm_solver_type": "euler"}, r"flowgrpo\.mix_dpm_solver_type='euler'.*midpoint"),

@@ -65,9 +65,12 @@ def _diffusers_step(solver_type, sigmas, index, m_list, x):
     from diffusers import DPMSolverMultistepScheduler
 
     s = DPMSolverMultistepScheduler(
-        algorithm_type="dpmsolver++", solver_type=solver_type, use_flow_sigmas=True,
-        prediction_type="flow_prediction", solver_order=2,
-    )  # fmt: skip
+        algorithm_type="dpmsolver++",
+        solver_type=solver_type,
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        solver_order=2,
+    )
     s.sigmas = sigmas
     s._step_index = index
     if len(m_list) == 1:
@@ -99,10 +102,16 @@ def test_dpm_step_is_the_references_and_diffusers(solver_type):
     for i in (1, 2):
         s_prev, s, s_next = (sigmas[i - 1].item(), sigmas[i].item(), sigmas[i + 1].item())
         ours = dpm_solver_pp_step(x, m0, s, s_next, (m1, s_prev), solver_type)
-        torch.testing.assert_close(ours, _reference_dpm_pp(solver_type, sigmas, i, m0, m1, x), atol=F64, rtol=0)
-        torch.testing.assert_close(ours, _diffusers_step(solver_type, sigmas, i, [m1, m0], x), atol=F64, rtol=0)
+        torch.testing.assert_close(
+            ours, _reference_dpm_pp(solver_type, sigmas, i, m0, m1, x), atol=F64, rtol=0
+        )
+        torch.testing.assert_close(
+            ours, _diffusers_step(solver_type, sigmas, i, [m1, m0], x), atol=F64, rtol=0
+        )
         first = dpm_solver_pp_step(x, m0, s, s_next, None, solver_type)
-        torch.testing.assert_close(first, _reference_dpm_pp(solver_type, sigmas, i, m0, None, x), atol=F64, rtol=0)
+        torch.testing.assert_close(
+            first, _reference_dpm_pp(solver_type, sigmas, i, m0, None, x), atol=F64, rtol=0
+        )
         torch.testing.assert_close(first, _diffusers_step(solver_type, sigmas, i, [m0], x), atol=F64, rtol=0)
         assert (ours - first).abs().max() > 1e-3  # the second-order term is there
     # the last step (to 0) is first order and lands on the data prediction, as the reference's lower_order_final
@@ -111,8 +120,10 @@ def test_dpm_step_is_the_references_and_diffusers(solver_type):
     at_one = torch.tensor([1.0, 0.8, 0.5], dtype=torch.float64)
     torch.testing.assert_close(
         dpm_solver_pp_step(x, m0, 0.8, 0.5, (m1, 1.0), solver_type),
-        _reference_dpm_pp(solver_type, at_one, 1, m0, m1, x), atol=F64, rtol=0,
-    )  # fmt: skip
+        _reference_dpm_pp(solver_type, at_one, 1, m0, m1, x),
+        atol=F64,
+        rtol=0,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the rollout
@@ -172,7 +183,9 @@ def _reference_rollout(model, noise, n, shift, start, size, eta, tail, ratio, so
             if start <= i <= last:  # flow_grpo_step, the SDE
                 stored.append(z)
                 std = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma))) * eta
-                mean = z * (1 + std**2 / (2 * sigma) * dt) + pred * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+                mean = (
+                    z * (1 + std**2 / (2 * sigma) * dt) + pred * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+                )
                 z = mean + std * torch.sqrt(-dt) * torch.randn(z.shape, generator=gen)
                 scale = std * torch.sqrt(-dt)
                 lp = -((z - mean) ** 2) / (2 * scale**2) - torch.log(scale) - math.log(math.sqrt(2 * math.pi))
@@ -213,9 +226,17 @@ def test_rollout_with_the_tail_is_the_references(n, start, size, ratio, solver):
     schedule = linspace_schedule(n, shift)
     with torch.no_grad():
         traj = rollout(
-            _Engine(model), _Adapter(), _COND, noise, schedule, start, size, StepRule("sde", eta),
-            torch.Generator().manual_seed(seed), tail=tail,
-        )  # fmt: skip
+            _Engine(model),
+            _Adapter(),
+            _COND,
+            noise,
+            schedule,
+            start,
+            size,
+            StepRule("sde", eta),
+            torch.Generator().manual_seed(seed),
+            tail=tail,
+        )
         calls = model.calls
         final, latents, log_probs, steps = _reference_rollout(
             model, noise, n, shift, start, size, eta, tail is not None, ratio, solver, seed
@@ -234,7 +255,15 @@ def test_an_empty_window_stores_one_latent_and_no_log_prob():
     noise = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         traj = rollout(
-            _Engine(_Model(4)), _Adapter(), _COND, noise, schedule, 6, 0, StepRule("sde", 0.7), torch.Generator()
+            _Engine(_Model(4)),
+            _Adapter(),
+            _COND,
+            noise,
+            schedule,
+            6,
+            0,
+            StepRule("sde", 0.7),
+            torch.Generator(),
         )
         euler = noise.clone()
         model = _Model(4)
@@ -243,9 +272,12 @@ def test_an_empty_window_stores_one_latent_and_no_log_prob():
             if i == 6:
                 at_start = euler.clone()
             euler = euler + (s_next - s) * model(euler, schedule.timesteps[i].expand(2))
-    assert traj.latents.shape == (2, 1, 6, 4) and traj.log_probs.shape == (2, 0) and traj.steps().shape == (2, 0)
+    assert (
+        traj.latents.shape == (2, 1, 6, 4) and traj.log_probs.shape == (2, 0) and traj.steps().shape == (2, 0)
+    )
     torch.testing.assert_close(traj.latents[:, 0], at_start, atol=1e-6, rtol=0)
     torch.testing.assert_close(traj.final, euler, atol=1e-6, rtol=0)
+
 
 def test_the_rollout_with_a_tail_reads_no_tensor_back():
     """The hot path: the window, the Euler steps and the DPM tail read no device tensor on the host (the schedule's
@@ -257,8 +289,20 @@ def test_the_rollout_with_a_tail_reads_no_tensor_back():
     tail = compressed_tail(n, 3.0, 3, 0.7)
     with torch.no_grad():
         traj = rollout(
-            _Engine(model), _Adapter(), _COND, noise, linspace_schedule(n, 3.0), 2, 2, StepRule("sde", 0.7),
-            torch.Generator().manual_seed(0), tail=tail,
-        )  # fmt: skip
-    assert traj.final.device.type == "meta" and traj.latents.shape == (2, 3, 6, 4) and traj.log_probs.shape == (2, 2)
+            _Engine(model),
+            _Adapter(),
+            _COND,
+            noise,
+            linspace_schedule(n, 3.0),
+            2,
+            2,
+            StepRule("sde", 0.7),
+            torch.Generator().manual_seed(0),
+            tail=tail,
+        )
+    assert (
+        traj.final.device.type == "meta"
+        and traj.latents.shape == (2, 3, 6, 4)
+        and traj.log_probs.shape == (2, 2)
+    )
     assert model.calls == 4 + tail.num_steps

@@ -51,7 +51,7 @@ def _error(err: str) -> str:
     "config, kind, pipeline_class",
     [("tiny_wan_sp2.yaml", "wan", "WanPipeline"), ("flux1_dev_lora.yaml", "flux", "FluxPipeline"),
      ("wan22_a14b_lora.yaml", "wan", "WanPipeline")],
-)  # fmt: skip
+)
 def test_a_kind_that_disagrees_with_its_pipeline_folder_is_refused(
     capsys, monkeypatch, tmp_path, folders, config, kind, pipeline_class, check
 ):
@@ -61,18 +61,30 @@ def test_a_kind_that_disagrees_with_its_pipeline_folder_is_refused(
     status, out, err = _run(capsys, *argv, *(["--check"] if check else []))
     assert status == 2 and "config OK" not in out
     line = _error(err)
-    assert f"model.kind={kind!r} but model.pipeline='{folders['qwenimage']}' is a QwenImagePipeline folder" in line
+    assert (
+        f"model.kind={kind!r} but model.pipeline='{folders['qwenimage']}' is a QwenImagePipeline folder"
+        in line
+    )
     assert FIX in line and f"model.pipeline=<a {pipeline_class} folder>" in line
     assert not (tmp_path / "run").exists()  # refused before the run wrote anything
 
 
 def test_check_reports_the_folder_without_loading_weights(capsys, monkeypatch, folders):
     monkeypatch.chdir(ROOT)
-    argv = ["train", "--config", str(CONFIGS / "tiny_pipeline_sp2.yaml"), "--set", f"model.pipeline={folders['qwenimage']}"]
+    argv = [
+        "train",
+        "--config",
+        str(CONFIGS / "tiny_pipeline_sp2.yaml"),
+        "--set",
+        f"model.pipeline={folders['qwenimage']}",
+    ]
     status, out, err = _run(capsys, *argv, "--check")
     assert status == 0, err
     lines = out.splitlines()
-    assert lines[0] == f"model.pipeline={folders['qwenimage']}: a QwenImagePipeline; model.kind=qwenimage (taken from the folder)"
+    assert (
+        lines[0]
+        == f"model.pipeline={folders['qwenimage']}: a QwenImagePipeline; model.kind=qwenimage (taken from the folder)"
+    )
     assert "  transformer: QwenImageTransformer2DModel (trained)" in lines
     assert "  vae: AutoencoderKLQwenImage (decodes pixels for the reward(s) color_match, brightness)" in lines
     assert "  text_encoder: Qwen2_5_VLForConditionalGeneration (encodes the prompts)" in lines
@@ -103,7 +115,14 @@ def test_components_the_run_needs_must_be_in_the_folder(capsys, monkeypatch, tmp
     common = ["--set", "parallel.ulysses_sequence_parallel_size=1", "--out-dir", str(tmp_path / "run")]
     # rewards on pixels need a VAE
     no_vae = _without(folders["qwenimage"], tmp_path, "vae", unlist=True)
-    argv = ["train", "--config", str(CONFIGS / "tiny_pipeline_sp2.yaml"), "--set", f"model.pipeline={no_vae}", *common]
+    argv = [
+        "train",
+        "--config",
+        str(CONFIGS / "tiny_pipeline_sp2.yaml"),
+        "--set",
+        f"model.pipeline={no_vae}",
+        *common,
+    ]
     status, _, err = _run(capsys, *argv, *flag)
     line = _error(err)
     assert status == 2 and f"model.pipeline='{no_vae}' has no vae (its model_index.json lists none)" in line
@@ -115,16 +134,27 @@ def test_components_the_run_needs_must_be_in_the_folder(capsys, monkeypatch, tmp
     # a text encoder listed but not there
     no_text = _without(folders["qwenimage"], tmp_path, "text_encoder", unlist=False)
     status, _, err = _run(capsys, "train", "--set", f"model.pipeline={no_text}", *common, *flag)
-    assert status == 2 and "has no text_encoder (no text_encoder/ subfolder), and this run needs it" in _error(err)
+    assert (
+        status == 2
+        and "has no text_encoder (no text_encoder/ subfolder), and this run needs it" in _error(err)
+    )
     # two experts asked of a one-expert (Wan2.1) folder
-    argv = ["train", "--config", str(CONFIGS / "wan22_a14b_lora.yaml"), "--set", f"model.pipeline={folders['wan']}"]
+    argv = [
+        "train",
+        "--config",
+        str(CONFIGS / "wan22_a14b_lora.yaml"),
+        "--set",
+        f"model.pipeline={folders['wan']}",
+    ]
     status, _, err = _run(capsys, *argv, *common, *flag)
     line = _error(err)
     assert status == 2 and f"model.pipeline='{folders['wan']}' has no transformer_2" in line
     assert "this run needs it (trained)" in line and "model.experts=[transformer]" in line
 
 
-def test_kind_left_out_is_taken_from_the_folder_and_a_transformer_folder_counts_too(capsys, tmp_path, folders):
+def test_kind_left_out_is_taken_from_the_folder_and_a_transformer_folder_counts_too(
+    capsys, tmp_path, folders
+):
     from sp_diffusers.flowgrpo.config import TrainConfig, load_config
     from sp_diffusers.flowgrpo.models.pipeline_io import resolve_pipeline
 
@@ -134,10 +164,23 @@ def test_kind_left_out_is_taken_from_the_folder_and_a_transformer_folder_counts_
     c = TrainConfig()
     c.model.pretrained = str(folders["wan"] / "transformer")
     assert resolve_pipeline(c) == "wan"
-    argv = ["train", "--set", "model.kind=qwenimage", "--pretrained", str(folders["wan"] / "transformer"), "--check"]
+    argv = [
+        "train",
+        "--set",
+        "model.kind=qwenimage",
+        "--pretrained",
+        str(folders["wan"] / "transformer"),
+        "--check",
+    ]
     status, _, err = _run(capsys, *argv)
     line = _error(err)
-    assert status == 2 and "model.kind='qwenimage' builds a QwenImageTransformer2DModel, but model.pretrained=" in line
-    assert "holds a WanTransformer3DModel (model.kind 'wan'); fix: model.kind=wan, or leave model.kind out" in line
+    assert (
+        status == 2
+        and "model.kind='qwenimage' builds a QwenImageTransformer2DModel, but model.pretrained=" in line
+    )
+    assert (
+        "holds a WanTransformer3DModel (model.kind 'wan'); fix: model.kind=wan, or leave model.kind out"
+        in line
+    )
     status, _, err = _run(capsys, "train", "--set", "model.kind=qwen", "--check")
     assert status == 2 and "model.kind='qwen' is invalid: one of qwenimage, flux" in _error(err)

@@ -183,8 +183,16 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     order: list[str] = []
     for name in ("transformer", "transformer_2"):
         getattr(pipe, name).register_forward_pre_hook(lambda m, a, kw, n=name: order.append(n), with_kwargs=True)
-    pipe(prompt=PROMPTS[:1], num_inference_steps=6, height=16, width=16, num_frames=3, guidance_scale=1.0,
-         max_sequence_length=16, output_type="latent")  # fmt: skip
+    pipe(
+        prompt=PROMPTS[:1],
+        num_inference_steps=6,
+        height=16,
+        width=16,
+        num_frames=3,
+        guidance_scale=1.0,
+        max_sequence_length=16,
+        output_type="latent",
+    )
     assert set(order) == {"transformer", "transformer_2"}
 
     c = TrainConfig()
@@ -221,5 +229,7 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     with pytest.raises(ConfigError, match=r"no trainable window .* fix: flowgrpo\.window_range=\[2, 3\]"):
         check_expert_steps(low_only, algorithm_for(c))
     c.model.experts = ["transformer_3"]
-    with pytest.raises(ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"):
+    with pytest.raises(
+        ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"
+    ):
         build_engines(c, None, FSDPEngine)

@@ -110,7 +110,7 @@ def _block(stderr: str) -> str:
                            "fix: make ", "a writable folder with free space, then run again: it resumes from the "
                            "newest checkpoint"]),
     ],
-)  # fmt: skip
+)
 def test_a_run_failure_is_one_block_on_rank_0_and_every_rank_stops(failures, case, status, words):
     _, results = failures
     rank0, rank1 = results[0][case], results[1][case]
@@ -133,7 +133,10 @@ def test_the_traceback_is_behind_the_switch(failures):
     for rank in (0, 1):
         status, stderr = results[rank]["traceback"]
         assert status == "raised RewardError"
-        assert "Traceback (most recent call last)" in stderr and "sp_diffusers/flowgrpo/rewards/scoring.py" in stderr
+        assert (
+            "Traceback (most recent call last)" in stderr
+            and "sp_diffusers/flowgrpo/rewards/scoring.py" in stderr
+        )
 
 
 def test_under_torchrun_a_reward_failing_on_one_rank_is_one_message(tmp_path):

@@ -125,8 +125,12 @@ def exported(trained):
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "plain_diffusers.py"), str(spec)],
-        capture_output=True, text=True, timeout=900, env=env, cwd=trained["root"],
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=trained["root"],
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
@@ -158,21 +162,62 @@ def test_sample_renders_under_sp_a_png_and_a_video(exported, trained):
     from sp_diffusers.cli import main
 
     root = trained["root"]
-    common = ["--prompt", "a red cat", "--prompt", "a blue dog", "--steps", "3", "--height", "16", "--width", "16"]
+    common = [
+        "--prompt",
+        "a red cat",
+        "--prompt",
+        "a blue dog",
+        "--steps",
+        "3",
+        "--height",
+        "16",
+        "--width",
+        "16",
+    ]
     common += ["--max-sequence-length", "32"]
     torchrun = Path(sys.executable).parent / "torchrun"
     sp = root / "sample-sp.png"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "sample", "--ulysses", "2"]
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "sp_diffusers.cli",
+        "sample",
+        "--ulysses",
+        "2",
+    ]
     cmd += ["--pipeline", str(trained["pipes"]["qwenimage"]), "--out", str(sp), *common]
     cmd += ["--lora", str(root / "export" / "qwenimage" / "pytorch_lora_weights.safetensors")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     merged = root / "sample-merged.png"
-    assert main(["sample", "--pipeline", str(root / "export" / "qwenimage"), "--out", str(merged), *common]) == 0
+    assert (
+        main(["sample", "--pipeline", str(root / "export" / "qwenimage"), "--out", str(merged), *common]) == 0
+    )
     a, b = np.asarray(Image.open(sp), dtype=np.int16), np.asarray(Image.open(merged), dtype=np.int16)
-    assert a.shape == (16, 34, 3) and np.abs(a - b).max() <= 1  # base + LoRA under SP = the merged export, to uint8
+    assert (
+        a.shape == (16, 34, 3) and np.abs(a - b).max() <= 1
+    )  # base + LoRA under SP = the merged export, to uint8
     video = root / "sample.mp4"
-    assert main(["sample", "--pipeline", str(root / "export" / "wan"), "--out", str(video), "--frames", "5", *common]) == 0
+    assert (
+        main(
+            [
+                "sample",
+                "--pipeline",
+                str(root / "export" / "wan"),
+                "--out",
+                str(video),
+                "--frames",
+                "5",
+                *common,
+            ]
+        )
+        == 0
+    )
     written = video if video.exists() else video.with_suffix(".gif")
     assert written.stat().st_size > 0
     if written.suffix == ".gif":

@@ -126,8 +126,12 @@ def exported(trained):
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "plain_diffusers.py"), str(spec)],
-        capture_output=True, text=True, timeout=900, env=env, cwd=trained["root"],
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=trained["root"],
+    )
     assert proc.returncode == 0, proc.stderr[-5000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
     return json.loads(line.removeprefix("RESULTS "))
@@ -151,11 +155,37 @@ def test_sample_renders_an_i2v_video_under_sp_as_an_mp4_that_opens(exported, tra
 
     out = trained["root"] / "sample-i2v.mp4"
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "sample", "--ulysses", "2"]
-    cmd += ["--pipeline", str(trained["root"] / "export" / "wan-i2v"), "--out", str(out), "--prompt", "a red cat"]
-    cmd += ["--image", str(ROOT / "examples" / "data" / "images" / "red.png"), "--steps", "3", "--height", "32"]
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "sp_diffusers.cli",
+        "sample",
+        "--ulysses",
+        "2",
+    ]
+    cmd += [
+        "--pipeline",
+        str(trained["root"] / "export" / "wan-i2v"),
+        "--out",
+        str(out),
+        "--prompt",
+        "a red cat",
+    ]
+    cmd += [
+        "--image",
+        str(ROOT / "examples" / "data" / "images" / "red.png"),
+        "--steps",
+        "3",
+        "--height",
+        "32",
+    ]
     cmd += ["--width", "32", "--frames", "5", "--max-sequence-length", "512"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     frames = iio.imread(out)  # through imageio-ffmpeg: the file is a video a player opens
     assert frames.shape[0] == 5 and frames.shape[-1] == 3

@@ -101,9 +101,15 @@ def tiny_t5(seed: int, d_model: int = 32) -> Any:
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
-        vocab_size=len(WORDS), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=1, num_heads=2,
-        pad_token_id=0, eos_token_id=2,
-    )  # fmt: skip
+        vocab_size=len(WORDS),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=1,
+        num_heads=2,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
     return _seeded(seed, lambda: T5EncoderModel(config))
 
 
@@ -139,17 +145,34 @@ def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
     half = hidden // heads // 2  # mrope sections cover half a head (t, h, w)
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=2048,
+            vocab_size=len(WORDS),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            num_key_value_heads=1,
+            max_position_embeddings=2048,
             rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         ),
         vision_config=dict(
-            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4,
-            spatial_merge_size=2, temporal_patch_size=1, fullatt_block_indexes=[0], window_size=8,
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=1,
+            fullatt_block_indexes=[0],
+            window_size=8,
         ),
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
 
 
@@ -160,13 +183,21 @@ def tiny_autoencoder_kl(seed: int, latent_channels: int, scaling: float, shift: 
     return _seeded(
         seed,
         lambda: AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=latent_channels,
+            in_channels=3,
+            out_channels=3,
+            latent_channels=latent_channels,
             down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
             up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 8), layers_per_block=1, norm_num_groups=4, sample_size=16,
-            scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
+            sample_size=16,
+            scaling_factor=scaling,
+            shift_factor=shift,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
         ),
-    )  # fmt: skip
+    )
 
 
 def tiny_qwenimage_vae(seed: int, z_dim: int) -> Any:
@@ -176,10 +207,15 @@ def tiny_qwenimage_vae(seed: int, z_dim: int) -> Any:
     return _seeded(
         seed,
         lambda: AutoencoderKLQwenImage(
-            base_dim=8, z_dim=z_dim, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[False],
-            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.1 * i for i in range(z_dim)],
+            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
         ),
-    )  # fmt: skip
+    )
 
 
 def tiny_wan_vae(seed: int, z_dim: int) -> Any:
@@ -189,11 +225,17 @@ def tiny_wan_vae(seed: int, z_dim: int) -> Any:
     return _seeded(
         seed,
         lambda: AutoencoderKLWan(
-            base_dim=8, z_dim=z_dim, dim_mult=[1, 1], num_res_blocks=1, temperal_downsample=[True],
-            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
-            scale_factor_temporal=2, scale_factor_spatial=2,
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[True],
+            latents_mean=[0.1 * i for i in range(z_dim)],
+            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+            scale_factor_temporal=2,
+            scale_factor_spatial=2,
         ),
-    )  # fmt: skip
+    )
 
 
 def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
@@ -203,20 +245,33 @@ def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
 
     config = CLIPConfig(
         text_config=dict(
-            vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            vocab_size=len(WORDS),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=32,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
         ),
         vision_config=dict(
-            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
             patch_size=8,
         ),
         projection_dim=16,
-    )  # fmt: skip
+    )
     folder = Path(folder)
     _seeded(seed, lambda: CLIPModel(config)).save_pretrained(folder)
     require_weights("save_tiny_clip", [folder])
     char_tokenizer(32).save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(
-        json.dumps({"crop_size": {"height": 32, "width": 32}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25] * 3})
+        json.dumps(
+            {"crop_size": {"height": 32, "width": 32}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25] * 3}
+        )
     )
     return folder

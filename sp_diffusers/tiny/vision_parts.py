@@ -64,9 +64,14 @@ def tiny_qwen_vl_processor(max_length: int = 2048) -> Any:
     for token in QWEN_VL_SPECIAL:
         assert tokenizer.convert_tokens_to_ids(token) == _token_id(token), token
     images = Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=1, min_pixels=8 * 8, max_pixels=32 * 32,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    )  # fmt: skip
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=1,
+        min_pixels=8 * 8,
+        max_pixels=32 * 32,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
     return qwen_vl_processor(images, tokenizer)  # without torchvision: no video processor (processors.py)
 
 
@@ -87,19 +92,39 @@ def tiny_qwen25vl_vision(seed: int, hidden: int = 32) -> Any:
     vocab = len(WORDS) + len(QWEN_VL_SPECIAL)
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=4096,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=heads,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
             rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
-            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
         ),
         vision_config=dict(
-            depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4,
-            spatial_merge_size=2, temporal_patch_size=1, fullatt_block_indexes=[0], window_size=8, in_chans=3,
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=4,
+            spatial_merge_size=2,
+            temporal_patch_size=1,
+            fullatt_block_indexes=[0],
+            window_size=8,
+            in_chans=3,
         ),
-        image_token_id=_token_id("<|image_pad|>"), video_token_id=_token_id("<|video_pad|>"),
-        vision_start_token_id=_token_id("<|vision_start|>"), vision_end_token_id=_token_id("<|vision_end|>"),
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        image_token_id=_token_id("<|image_pad|>"),
+        video_token_id=_token_id("<|video_pad|>"),
+        vision_start_token_id=_token_id("<|vision_start|>"),
+        vision_end_token_id=_token_id("<|vision_end|>"),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
 
 
@@ -110,9 +135,14 @@ def tiny_clip_vision(seed: int, hidden: int = 16) -> tuple[Any, Any]:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     config = CLIPVisionConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2, image_size=32,
-        patch_size=8, projection_dim=hidden,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=hidden,
+    )
     processor = CLIPImageProcessorPil(
         size={"shortest_edge": 32},
         crop_size={"height": 32, "width": 32},
@@ -129,12 +159,21 @@ def tiny_autoencoder_kl_8x(seed: int, latent_channels: int, scaling: float, shif
     return _seeded(
         seed,
         lambda: AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(4, 4, 4, 4), layers_per_block=1, norm_num_groups=2, sample_size=64,
-            scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False,
+            in_channels=3,
+            out_channels=3,
+            latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(4, 4, 4, 4),
+            layers_per_block=1,
+            norm_num_groups=2,
+            sample_size=64,
+            scaling_factor=scaling,
+            shift_factor=shift,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
         ),
-    )  # fmt: skip
+    )
 
 
 def tiny_wan_vae_4x(seed: int, z_dim: int) -> Any:
@@ -145,11 +184,17 @@ def tiny_wan_vae_4x(seed: int, z_dim: int) -> Any:
     return _seeded(
         seed,
         lambda: AutoencoderKLWan(
-            base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
-            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
-            scale_factor_temporal=4, scale_factor_spatial=4,
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            latents_mean=[0.1 * i for i in range(z_dim)],
+            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+            scale_factor_temporal=4,
+            scale_factor_spatial=4,
         ),
-    )  # fmt: skip
+    )
 
 
 def tiny_qwenimage_vae_8x(seed: int, z_dim: int) -> Any:
@@ -159,8 +204,12 @@ def tiny_qwenimage_vae_8x(seed: int, z_dim: int) -> Any:
     return _seeded(
         seed,
         lambda: AutoencoderKLQwenImage(
-            base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            base_dim=4,
+            z_dim=z_dim,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
             temperal_downsample=[False, False, False],
-            latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
+            latents_mean=[0.1 * i for i in range(z_dim)],
+            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
         ),
-    )  # fmt: skip
+    )

@@ -53,8 +53,14 @@ def _guard_batch(trainer, data: dict):
     )
     starts = torch.tensor(STARTS, device=engine.device)
     latents = data["latents"].to(engine.device).clone()
-    traj = Trajectory(latents, torch.zeros(G, W), 0, latents[:, -1],
-                      train_steps=starts[:, None] + torch.arange(W, device=engine.device), starts=starts)  # fmt: skip
+    traj = Trajectory(
+        latents,
+        torch.zeros(G, W),
+        0,
+        latents[:, -1],
+        train_steps=starts[:, None] + torch.arange(W, device=engine.device),
+        starts=starts,
+    )
     everyone = torch.arange(G, device=engine.device)
     sigmas = trainer.schedule.sigmas
 
@@ -69,7 +75,9 @@ def _guard_batch(trainer, data: dict):
     with engine.eval_mode():
         for k in range(W):  # sample the window: x_{k+1} = mean_k + S_k eps (data["latents"][:, k + 1] as eps)
             step, scale = evaluate(k)
-            latents[:, k + 1] = step.prev_sample_mean + scale.view(-1, *[1] * (latents.ndim - 2)) * latents[:, k + 1]
+            latents[:, k + 1] = (
+                step.prev_sample_mean + scale.view(-1, *[1] * (latents.ndim - 2)) * latents[:, k + 1]
+            )
         for k in range(W):
             step, scale = evaluate(k)
             old.append(step.log_prob - data["target"][:, k] / scale)
@@ -89,7 +97,9 @@ def guard_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
     original_step = engine.optimizer_step
 
     def capture_then_step():
-        captured["grads"] = {n: _full(p.grad) for n, p in engine.model.named_parameters() if p.grad is not None}
+        captured["grads"] = {
+            n: _full(p.grad) for n, p in engine.model.named_parameters() if p.grad is not None
+        }
         captured["before"] = {n: _full(p) for n, p in engine.model.named_parameters()}
         return original_step()
 
@@ -118,6 +128,7 @@ def guard_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
         traj, adv, old, _ = fresh.collect(fresh_batch)
         m = fresh.update(fresh_batch, traj, adv, old)
         out["on_policy"][name] = {
-            k: m[k] for k in ("ratio_mean", "ratio_std", "ppo_kl", "clipfrac", "ratio_mean_bias", "trained_samples")
+            k: m[k]
+            for k in ("ratio_mean", "ratio_std", "ppo_kl", "clipfrac", "ratio_mean_bias", "trained_samples")
         } | {"trained_steps": traj.steps().shape[1], "distinct_starts": len(set(traj.steps()[:, 0].tolist()))}
     return out

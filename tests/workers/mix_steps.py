@@ -9,10 +9,17 @@ from tests.workers.engine_steps import _config, _full, _global_data, _my_batch, 
 # (one second-order step, one to 0); a KL weight large enough that its gradient (10 * delta, delta <= 3e-3, per
 # trained step) is a visible part of the update
 MIX = dict(
-    algorithm="mix_grpo", shift=3.0, num_steps=10, noise_level=0.7, mix_window_size=2,
-    mix_tail_solver="dpmsolver++", mix_kl_coef=10.0, recompute_old_log_probs=False, prompts_per_rank=2,
+    algorithm="mix_grpo",
+    shift=3.0,
+    num_steps=10,
+    noise_level=0.7,
+    mix_window_size=2,
+    mix_tail_solver="dpmsolver++",
+    mix_kl_coef=10.0,
+    recompute_old_log_probs=False,
+    prompts_per_rank=2,
     group_size=2,
-)  # fmt: skip
+)
 
 
 def mix_grpo_step(rank: int, world: int, sp: int, ring: int) -> dict:
@@ -27,9 +34,11 @@ def mix_grpo_step(rank: int, world: int, sp: int, ring: int) -> dict:
     batch = engine.prepare_batch(trainer.iteration_batch(0))  # (a)
     traj, _, _, stats = trainer.collect(batch)
     out.update(
-        window=(batch["window_start"], batch["window_size"]), final=traj.final.cpu(),
-        log_probs=traj.log_probs.cpu(), reward_mean=stats["reward_mean"],
-    )  # fmt: skip
+        window=(batch["window_start"], batch["window_size"]),
+        final=traj.final.cpu(),
+        log_probs=traj.log_probs.cpu(),
+        reward_mean=stats["reward_mean"],
+    )
 
     batch, traj, adv, old = _my_batch(trainer, _global_data(trainer))  # (b)
     captured: dict = {}
@@ -50,17 +59,21 @@ def mix_grpo_step(rank: int, world: int, sp: int, ring: int) -> dict:
     params = {n: _full(p) for n, p in engine.model.named_parameters() if p.requires_grad}
     out.update(
         step_moved=max((params[n] - captured["before"][n]).abs().max().item() for n in params),
-        loss=metrics["loss"], clipfrac=metrics["clipfrac"], kl_loss=metrics["kl_loss"],
-        grads=captured["grads"] if rank == 0 else None, params=params if rank == 0 else None,
+        loss=metrics["loss"],
+        clipfrac=metrics["clipfrac"],
+        kl_loss=metrics["kl_loss"],
+        grads=captured["grads"] if rank == 0 else None,
+        params=params if rank == 0 else None,
         n_trainable=len(params),
-    )  # fmt: skip
+    )
 
     g.micro_batch_size = g.prompts_per_rank * g.group_size  # (c): the training forward is the rollout's
     batch = engine.prepare_batch(trainer.iteration_batch(1))
     traj, adv, old, _ = trainer.collect(batch)
     metrics = trainer.update(batch, traj, adv, old)
     out["on_policy"] = {
-        k: metrics.get(k) for k in ("ratio_mean", "ratio_std", "ppo_kl", "clipfrac", "kl_loss", "trained_samples")
+        k: metrics.get(k)
+        for k in ("ratio_mean", "ratio_std", "ppo_kl", "clipfrac", "kl_loss", "trained_samples")
     }
     out["on_policy"]["window"] = (batch["window_start"], batch["window_size"], traj.latents.shape[1])
     out["cur_timesteps"] = trainer.algorithm.iteration_metrics(batch)["cur_timesteps"]

@@ -166,17 +166,33 @@ class GRPOGuard(FlowGRPO):
         """The GRPO-Guard loss of the k-th trained step of samples ``idx`` (``ratio_norm: false``: Flow-GRPO's)."""
         if not self.g.ratio_norm:
             return super().step_loss(
-                engine, _batch, ctx=ctx, traj=traj, k=k, idx=idx, cond=cond, advantages=advantages,
-                old_log_probs=old_log_probs, normalizer=normalizer,
-            )  # fmt: skip
+                engine,
+                _batch,
+                ctx=ctx,
+                traj=traj,
+                k=k,
+                idx=idx,
+                cond=cond,
+                advantages=advantages,
+                old_log_probs=old_log_probs,
+                normalizer=normalizer,
+            )
         g = ctx.g
         steps, latents, next_latents = traj.step_latents(idx, k)
 
         def evaluate():
             return evaluate_window_step(
-                engine, ctx.adapter, latents, next_latents, ctx.schedule, steps, cond, ctx.rule, g.cfg_scale,
+                engine,
+                ctx.adapter,
+                latents,
+                next_latents,
+                ctx.schedule,
+                steps,
+                cond,
+                ctx.rule,
+                g.cfg_scale,
                 ctx.cfg_batch,
-            )  # fmt: skip
+            )
 
         step = evaluate()
         ref_mean = None

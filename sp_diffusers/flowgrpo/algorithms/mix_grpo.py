@@ -101,70 +101,98 @@ class MixGRPO(Algorithm):
     def check(cls, config: TrainConfig) -> None:
         g = config.flowgrpo
         _require(
-            g.sde_type == "sde", "sde_type", g.sde_type,
+            g.sde_type == "sde",
+            "sde_type",
+            g.sde_type,
             "mix_grpo's window takes Flow-GRPO's SDE step; fix: remove flowgrpo.sde_type (sde)",
-        )  # fmt: skip
+        )
         _require(
-            g.num_steps >= 3, "num_steps", g.num_steps,
+            g.num_steps >= 3,
+            "num_steps",
+            g.num_steps,
             "mix_grpo trains steps before num_steps - 2 (the reference never trains the last two): at least 3",
-        )  # fmt: skip
-        _require(g.mix_window_size >= 1, "mix_window_size", g.mix_window_size, "at least 1 (the reference's 4)")
+        )
         _require(
-            g.mix_strategy in MIX_STRATEGIES, "mix_strategy", g.mix_strategy, f"choose one of {MIX_STRATEGIES}"
+            g.mix_window_size >= 1, "mix_window_size", g.mix_window_size, "at least 1 (the reference's 4)"
+        )
+        _require(
+            g.mix_strategy in MIX_STRATEGIES,
+            "mix_strategy",
+            g.mix_strategy,
+            f"choose one of {MIX_STRATEGIES}",
         )
         _require(g.mix_iters_per_group >= 1, "mix_iters_per_group", g.mix_iters_per_group, "at least 1")
         _require(g.mix_prog_overlap_step >= 0, "mix_prog_overlap_step", g.mix_prog_overlap_step, "at least 0")
         if g.mix_strategy == "random":
             _require(
-                g.mix_window_size <= g.num_steps - 2, "mix_window_size", g.mix_window_size,
+                g.mix_window_size <= g.num_steps - 2,
+                "mix_window_size",
+                g.mix_window_size,
                 f"the random strategy draws a start in [0, num_steps - 2 - mix_window_size]; fix: at most "
                 f"num_steps - 2 = {g.num_steps - 2}",
-            )  # fmt: skip
+            )
         if g.mix_strategy == "decay":
             _require(
-                1 <= g.mix_min_iters_per_group <= g.mix_max_iters_per_group, "mix_min_iters_per_group",
+                1 <= g.mix_min_iters_per_group <= g.mix_max_iters_per_group,
+                "mix_min_iters_per_group",
                 g.mix_min_iters_per_group,
                 f"decay needs 1 <= mix_min_iters_per_group <= mix_max_iters_per_group={g.mix_max_iters_per_group}",
-            )  # fmt: skip
+            )
         if g.mix_strategy == "exp_decay":
             _require(
-                math.isfinite(g.mix_exp_decay_k) and g.mix_exp_decay_k >= 0, "mix_exp_decay_k",
-                g.mix_exp_decay_k, "a finite number >= 0 (the reference's 0.1)",
-            )  # fmt: skip
+                math.isfinite(g.mix_exp_decay_k) and g.mix_exp_decay_k >= 0,
+                "mix_exp_decay_k",
+                g.mix_exp_decay_k,
+                "a finite number >= 0 (the reference's 0.1)",
+            )
         _require(
-            g.mix_tail_solver in MIX_TAIL_SOLVERS, "mix_tail_solver", g.mix_tail_solver,
+            g.mix_tail_solver in MIX_TAIL_SOLVERS,
+            "mix_tail_solver",
+            g.mix_tail_solver,
             f"choose one of {MIX_TAIL_SOLVERS}",
-        )  # fmt: skip
+        )
         _require(
-            0 < g.mix_tail_compress_ratio <= 1, "mix_tail_compress_ratio", g.mix_tail_compress_ratio,
+            0 < g.mix_tail_compress_ratio <= 1,
+            "mix_tail_compress_ratio",
+            g.mix_tail_compress_ratio,
             "in (0, 1] (the reference's 0.4; MixGRPO-Flash*: 0.2)",
-        )  # fmt: skip
+        )
         _require(
-            g.mix_dpm_solver_type in DPM_SOLVER_TYPES, "mix_dpm_solver_type", g.mix_dpm_solver_type,
+            g.mix_dpm_solver_type in DPM_SOLVER_TYPES,
+            "mix_dpm_solver_type",
+            g.mix_dpm_solver_type,
             f"choose one of {DPM_SOLVER_TYPES}",
-        )  # fmt: skip
+        )
         _require(
-            math.isfinite(g.mix_kl_coef) and g.mix_kl_coef >= 0, "mix_kl_coef", g.mix_kl_coef,
+            math.isfinite(g.mix_kl_coef) and g.mix_kl_coef >= 0,
+            "mix_kl_coef",
+            g.mix_kl_coef,
             "a finite number >= 0 (0: no KL term)",
-        )  # fmt: skip
+        )
         _require(
-            g.kl_coef == 0, "kl_coef", g.kl_coef,
+            g.kl_coef == 0,
+            "kl_coef",
+            g.kl_coef,
             "mix_grpo's KL is to the rollout's log-probs (flowgrpo.mix_kl_coef), not to the adapters-off "
             "reference; fix: flowgrpo.kl_coef=0",
-        )  # fmt: skip
+        )
         linspace = g.schedule in ("auto", "linspace")
         if linspace:
             _require(
-                g.shift > 0, "shift", g.shift,
+                g.shift > 0,
+                "shift",
+                g.shift,
                 "mix_grpo samples on the shifted linspace (flowgrpo.schedule auto), which needs a shift; "
                 "fix: flowgrpo.shift=3 (the reference's FLUX script)",
-            )  # fmt: skip
+            )
         if g.mix_tail_solver == "dpmsolver++":
             _require(
-                linspace, "schedule", g.schedule,
+                linspace,
+                "schedule",
+                g.schedule,
                 "mix_tail_solver=dpmsolver++ compresses the tail of the shifted linspace, as the reference does; "
                 "fix: flowgrpo.schedule=auto (or linspace), or flowgrpo.mix_tail_solver=euler",
-            )  # fmt: skip
+            )
 
     # ------------------------------------------------------------------------------------------- batch
     def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
@@ -198,7 +226,9 @@ class MixGRPO(Algorithm):
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        return group_advantages(rewards, groups, std="group", eps=1e-8, clip=self.g.adv_clip_max, correction=1)
+        return group_advantages(
+            rewards, groups, std="group", eps=1e-8, clip=self.g.adv_clip_max, correction=1
+        )
 
     # ------------------------------------------------------------------------------------------ update
     def step_loss(
@@ -220,9 +250,17 @@ class MixGRPO(Algorithm):
         g = ctx.g
         steps, latents, next_latents = traj.step_latents(idx, k)
         step = evaluate_window_step(
-            engine, ctx.adapter, latents, next_latents, ctx.schedule, steps, cond, ctx.rule, g.cfg_scale,
+            engine,
+            ctx.adapter,
+            latents,
+            next_latents,
+            ctx.schedule,
+            steps,
+            cond,
+            ctx.rule,
+            g.cfg_scale,
             ctx.cfg_batch,
-        )  # fmt: skip
+        )
         old = old_log_probs[idx, k]
         loss, metrics = flowgrpo_loss(
             step.log_prob, old, advantages[idx], clip_range=g.clip_range, normalizer=normalizer

@@ -197,11 +197,25 @@ def rollout(
     the latent at ``window_start`` alone and no log-prob (an iteration that trains nothing)."""
     if not isinstance(window_start, int):
         if solver is not None or tail is not None:
-            raise ValueError("per-sample windows take the Euler step outside the windows; fix: solver=None, tail=None")
+            raise ValueError(
+                "per-sample windows take the Euler step outside the windows; fix: solver=None, tail=None"
+            )
         return _rollout_per_sample(
-            engine, adapter, cond, noise, schedule, list(window_start), window_size, rule, generator, cfg_scale,
-            final_is_prediction, cfg_batch, hold, keep_means,
-        )  # fmt: skip
+            engine,
+            adapter,
+            cond,
+            noise,
+            schedule,
+            list(window_start),
+            window_size,
+            rule,
+            generator,
+            cfg_scale,
+            final_is_prediction,
+            cfg_batch,
+            hold,
+            keep_means,
+        )
     sigmas = schedule.sigmas  # the CPU copy: its numbers are read on the host
     num_steps = schedule.num_steps
     if not 0 <= window_start <= num_steps - window_size or window_size < 0:
@@ -258,13 +272,14 @@ def rollout(
     )
 
 
-
 def _final(adapter: Any, final: torch.Tensor, cond: dict[str, Any]) -> torch.Tensor:
     """The reward's latents as the family's pipeline ends (Wan2.2 TI2V: the first frame is the image's)."""
     return adapter.final_latents(final, cond) if hasattr(adapter, "final_latents") else final
 
 
-def _check_tail(tail: DPMTail, engine, sigmas: torch.Tensor, window_size: int, end: int, num_steps: int) -> None:
+def _check_tail(
+    tail: DPMTail, engine, sigmas: torch.Tensor, window_size: int, end: int, num_steps: int
+) -> None:
     """A tail continues a span of at least one step (its history) from the schedule's sigma after it, on a model
     that is one engine (a two-expert model picks its expert by the schedule's step, which a tail step is not)."""
     if window_size < 1 or end >= num_steps:
@@ -323,9 +338,21 @@ class _Windows:
 
 
 def _rollout_per_sample(
-    engine, adapter, cond, noise, schedule, starts, size, rule, generator, cfg_scale, final_is_prediction,
-    cfg_batch, hold, keep_means,
-) -> Trajectory:  # fmt: skip
+    engine,
+    adapter,
+    cond,
+    noise,
+    schedule,
+    starts,
+    size,
+    rule,
+    generator,
+    cfg_scale,
+    final_is_prediction,
+    cfg_batch,
+    hold,
+    keep_means,
+) -> Trajectory:
     """:func:`rollout` with one window start per sample (``starts``, host ints)."""
     sigmas, num_steps, b = schedule.sigmas, schedule.num_steps, noise.shape[0]
     if len(starts) != b or not all(0 <= s <= num_steps - size for s in starts):
@@ -358,7 +385,9 @@ def _rollout_per_sample(
         inside = windows.mask[i].view(b, *([1] * (x.ndim - 1)))
         nxt = step.prev_sample if ode is None else torch.where(inside, step.prev_sample, ode)
         stored.index_put_((rows, pos), x.index_select(0, rows))  # the step's input ...
-        stored.index_put_((rows, pos + 1), nxt.index_select(0, rows))  # ... and output, at the sample's own place
+        stored.index_put_(
+            (rows, pos + 1), nxt.index_select(0, rows)
+        )  # ... and output, at the sample's own place
         log_probs.index_put_((rows, pos), step.log_prob.index_select(0, rows))
         if means is not None:
             means.index_put_((rows, pos), step.prev_sample_mean.index_select(0, rows))
@@ -366,7 +395,11 @@ def _rollout_per_sample(
     starts_t = to_device(torch.tensor(starts, dtype=torch.long), x.device)
     steps = starts_t[:, None] + torch.arange(size, device=x.device)
     return Trajectory(
-        stored, log_probs, min(starts), _final(adapter, x if final is None else final, cond), train_steps=steps,
+        stored,
+        log_probs,
+        min(starts),
+        _final(adapter, x if final is None else final, cond),
+        train_steps=steps,
         starts=starts_t,
         means=means,
-    )  # fmt: skip
+    )
