@@ -56,11 +56,21 @@ def _minimal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.
     return _Minimal.apply(_sdpa_bshd(q, k, v), group, False)
 
 
+def _module(package: str, *names: str):
+    """The first of ``package``'s modules ``names`` that exists (layouts differ between checkouts)."""
+    for name in names:
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"{package} has none of {names}")
+
+
 def _ours_in_scope(config, world: int, rank: int, package: str = "sp_diffusers"):
     """``ulysses_sdpa_attention`` of ``package`` inside a model forward's scope, as ``FSDPEngine`` runs it
     (``trusted``: the inputs are the same on every rank; every split even, so the call's lengths are its own)."""
-    attention = importlib.import_module(f"{package}.attention")
-    scopes = importlib.import_module(f"{package}.forward_scope")
+    attention = _module(package, "parallel.attention", "attention")  # a checkout before the parallel/ package
+    scopes = _module(package, "parallel.agreement", "forward_scope")  # has them at its root
 
     def call(q, k, v):
         scope = scopes.ForwardScope(config, world, rank, "trusted", ("peers", tuple(q.shape)))

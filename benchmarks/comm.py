@@ -70,10 +70,10 @@ def counting(counter: _Counter):
     """Count every collective and point-to-point send issued inside the block."""
     import torch.distributed._functional_collectives as funcol
 
-    from sp_diffusers.parallel import agreement as handshake
+    from sp_diffusers.parallel import agreement
 
     originals = {
-        (handshake, "gather_ints"): handshake.gather_ints,
+        (agreement, "gather_ints"): agreement.gather_ints,
         (dist, "all_to_all_single"): dist.all_to_all_single,
         (dist, "all_gather"): dist.all_gather,
         (dist, "all_gather_into_tensor"): dist.all_gather_into_tensor,
@@ -125,11 +125,11 @@ def counting(counter: _Counter):
     def metadata(*args, **kwargs):
         counter.in_handshake = True
         try:
-            return originals[(handshake, "gather_ints")](*args, **kwargs)
+            return originals[(agreement, "gather_ints")](*args, **kwargs)
         finally:
             counter.in_handshake = False
 
-    handshake.gather_ints = metadata
+    agreement.gather_ints = metadata
     dist.all_to_all_single, dist.all_gather, dist.all_gather_into_tensor = a2a, gather, gather_into
     dist.all_reduce, dist.batch_isend_irecv = reduce, p2p
     if hasattr(dist, "all_gather_single"):

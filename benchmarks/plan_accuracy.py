@@ -121,7 +121,7 @@ def measure_rank(
 
     import sp_diffusers
     from sp_diffusers.engine.settings import EngineSettings, LoraSettings
-    from sp_diffusers.parallel import exchange as comm
+    from sp_diffusers.parallel.exchange import release_buffers
     from sp_diffusers.planner.shapes import build_inputs, workload_from_tokens
     from sp_diffusers.planner.trace import create_optimizer_state, plan_loss
     from sp_diffusers.planner.tracker import make_tracker
@@ -147,16 +147,16 @@ def measure_rank(
     create_optimizer_state(engine)
     if warmup:
         engine.train_step(batch, plan_loss)  # the running job's previous step
-        comm.release_buffers()
+        release_buffers()
     # resident memory on a step without a tracker: a tracker's hooks could hold memory of their own (torch's
-    # module tracker did: plan/tracker.py), which a measure under it would count as the step's
+    # module tracker did: planner/tracker.py), which a measure under it would count as the step's
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _rss("VmRSS")
     engine.train_step(batch, plan_loss)
     growth = _rss("VmHWM") - before
-    comm.release_buffers()
+    release_buffers()
     lists = {"blocks": spec.config["num_layers"]}
     tracker = make_tracker(
         engine.model, engine.optimizer, lists, tuple(v for v in inputs.values() if torch.is_tensor(v))

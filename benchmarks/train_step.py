@@ -65,15 +65,16 @@ def _make(args, backend: str):
 
 
 def _data(trainer, samples: int):
+    from sp_diffusers.flowgrpo.batch import IterationBatch
     from sp_diffusers.flowgrpo.models.text import DEFAULT_PROMPTS
-    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory
+    from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)
     prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(samples)]
     embeds, masks = trainer.text_encoder.encode(prompts)
-    batch = trainer.engine.prepare_batch(
-        {"prompts": prompts, "prompt_embeds": embeds, "prompt_embeds_mask": masks, "shuffle_seed": 1}
-    )
+    cond = {"prompt_embeds": embeds, "prompt_embeds_mask": masks}
+    batch = IterationBatch(prompts, cond, torch.arange(samples), torch.zeros(samples), shuffle_seed=1)
+    batch = batch.prepared(trainer.engine)
     device = trainer.engine.device
     latents = torch.randn(samples, 3, *trainer.adapter.latent_shape(samples)[1:], generator=g).to(device)
     traj = Trajectory(latents, torch.zeros(samples, 2, device=device), 1, latents[:, -1])

@@ -85,13 +85,14 @@ def _trainer(args, sp: int, backend: str):
 
 
 def _data(trainer) -> tuple:
-    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory, evaluate_window_step
+    from sp_diffusers.flowgrpo.batch import IterationBatch
+    from sp_diffusers.flowgrpo.sampling.denoise import Sampler, evaluate_step
+    from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)
     prompts = ["a red lighthouse at dusk"]
-    batch = trainer.engine.prepare_batch(
-        {"prompts": prompts, **trainer.text_encoder.encode_batch(prompts), "shuffle_seed": 1}
-    )
+    cond = trainer.text_encoder.encode_batch(prompts)
+    batch = IterationBatch(prompts, cond, torch.arange(1), torch.zeros(1), shuffle_seed=1).prepared(trainer.engine)
     shape = trainer.adapter.latent_shape(1)
     device = trainer.engine.device
     latents = torch.randn(1, 3, *shape[1:], generator=g).to(device)
@@ -99,16 +100,13 @@ def _data(trainer) -> tuple:
     with trainer.engine.eval_mode():  # on-policy old log-probs: real, unclipped gradients
         old = torch.stack(
             [
-                evaluate_window_step(
-                    trainer.engine,
-                    trainer.adapter,
+                evaluate_step(
+                    Sampler(trainer.engine, trainer.adapter, trainer.schedule),
                     latents[:, k],
                     latents[:, k + 1],
-                    trainer.schedule,
                     1 + k,
-                    trainer._cond(batch),
+                    batch.cond,
                     trainer.rule,
-                    1.0,
                 ).log_prob
                 for k in range(2)
             ],

@@ -12,16 +12,15 @@ from sp_diffusers.flowgrpo.config import TrainConfig
 DOC = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 
 
-def _defaults() -> dict[str, str]:
+def _defaults(section: object = None, prefix: str = "") -> dict[str, str]:
     out = {}
-    config = TrainConfig()
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            for g in dataclasses.fields(value):
-                out[f"{f.name}.{g.name}"] = json.dumps(getattr(value, g.name))
+    section = TrainConfig() if section is None else section
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):  # a section, or an algorithm's section of flowgrpo
+            out.update(_defaults(value, f"{prefix}{f.name}."))
         else:
-            out[f.name] = json.dumps(value)
+            out[f"{prefix}{f.name}"] = json.dumps(value)
     return out
 
 
@@ -37,3 +36,25 @@ def test_every_config_key_is_documented_with_its_default():
     assert sorted(set(documented) - set(defaults)) == [], "docs/training.md lists keys the config lacks"
     wrong = {k: (documented[k], v) for k, v in defaults.items() if documented[k] != v}
     assert wrong == {}, f"documented default != code default: {wrong}"
+
+
+def test_an_old_flat_key_loads_into_its_section_with_a_warning(tmp_path):
+    """One release of grace: ``flowgrpo.mix_window_size`` (YAML, an override, or the attribute) sets
+    ``flowgrpo.mix.window_size`` and warns naming the new key; a key that never existed is still refused."""
+    import pytest
+
+    from sp_diffusers.flowgrpo.config import FLAT_KEYS, ConfigError, load_config
+
+    path = tmp_path / "old.yaml"
+    path.write_text("flowgrpo:\n  algorithm: mix_grpo\n  mix_window_size: 3\n  nft_beta: 0.5\n")
+    with pytest.warns(FutureWarning, match=r"flowgrpo\.mix_window_size is now flowgrpo\.mix\.window_size"):
+        config = load_config(path, ["flowgrpo.guard_bias=batch"])
+    assert (config.flowgrpo.mix.window_size, config.flowgrpo.nft.beta, config.flowgrpo.guard.bias) == (3, 0.5, "batch")
+    with pytest.warns(FutureWarning, match=r"flowgrpo\.dance_kl is now flowgrpo\.dance\.kl"):
+        config.flowgrpo.dance_kl = "flow_grpo"
+    assert config.flowgrpo.dance.kl == "flow_grpo"
+    with pytest.raises(ConfigError, match=r"unknown config key 'flowgrpo\.mix\.window'"):
+        load_config(None, ["flowgrpo.mix.window=3"])
+    # every old key names a key its section has
+    for old, (section, key) in FLAT_KEYS.items():
+        assert hasattr(getattr(TrainConfig().flowgrpo, section), key), old

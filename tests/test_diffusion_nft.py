@@ -17,6 +17,7 @@ import torch
 
 from sp_diffusers.flowgrpo.algorithms.diffusion_nft import DiffusionNFT, nft_loss, reward_prob
 from sp_diffusers.flowgrpo.algorithms.old_policy import old_policy_decay
+from sp_diffusers.flowgrpo.batch import IterationBatch
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 from sp_diffusers.flowgrpo.sampling.dpm_solver import DPMSolver2
 from sp_diffusers.flowgrpo.sampling.sde import ode_step
@@ -33,8 +34,15 @@ def _close(a, b) -> None:
 def _config(**flowgrpo) -> TrainConfig:
     c = TrainConfig()
     c.flowgrpo.algorithm = "diffusion_nft"
-    for k, v in flowgrpo.items():
-        setattr(c.flowgrpo, k, v)
+    for k, v in flowgrpo.items():  # an algorithm's section: mix={"window_size": 2}, or "mix.window_size"=2
+        if isinstance(v, dict):
+            for key, value in v.items():
+                setattr(getattr(c.flowgrpo, k), key, value)
+        elif "." in k:
+            section, key = k.split(".")
+            setattr(getattr(c.flowgrpo, section), key, v)
+        else:
+            setattr(c.flowgrpo, k, v)
     return c
 
 
@@ -202,7 +210,7 @@ def test_old_policy_decay_schedules_at_their_edges(name, decay_type, edges):
     for step, value in edges.items():
         assert old_policy_decay(step, name) == _return_decay(step, decay_type), (name, step)
         assert old_policy_decay(step, name) == pytest.approx(value, abs=1e-15), (name, step)
-    with pytest.raises(ValueError, match=r"flowgrpo\.nft_decay='ema'.*copy, linear_to_0_5, delayed_linear_to_0_999"):
+    with pytest.raises(ValueError, match=r"flowgrpo\.nft.decay='ema'.*copy, linear_to_0_5, delayed_linear_to_0_999"):
         old_policy_decay(3, "ema")
 
 
@@ -253,14 +261,16 @@ def test_dpm2_rollout_matches_the_reference_solver(first_sigma):
 
 def test_plan_trains_a_random_subset_of_every_schedule_step_per_sample():
     algorithm = DiffusionNFT(_config(num_steps=10))
-    batch = {"prompts": ["p"] * 6}
-    algorithm.plan(batch, torch.Generator().manual_seed(0))
-    steps = batch["train_steps"]
+    batch = IterationBatch(["p"] * 6, {}, torch.arange(6), torch.zeros(6))
+    algorithm.plan(batch, torch.Generator().manual_seed(0), 0, torch.Generator())
+    steps = batch.plan.train_steps
     assert steps.shape == (6, 9)  # int(10 * 0.99)
     for row in steps.tolist():
         assert len(set(row)) == 9 and set(row) <= set(range(10))  # without replacement, step 0 (sigma 1) included
     assert len({tuple(r) for r in steps.tolist()}) > 1  # each sample its own
-    assert algorithm.span(batch, 10) == (0, 0) and not algorithm.uses_log_probs
+    span = algorithm.span(batch.plan, None)
+    assert (span.start, span.size, span.rule) == (0, 0, None) and type(span.solver).__name__ == "DPMSolver2"
+    assert algorithm.inputs().evaluation == "forward_process" and not algorithm.inputs().old_log_probs
     assert not algorithm.drops_zero_advantage()
 
 
@@ -268,10 +278,10 @@ def test_plan_trains_a_random_subset_of_every_schedule_step_per_sample():
     ("key", "value", "match"),
     [
         ("cfg_scale", 4.5, r"flowgrpo\.cfg_scale=4\.5.*without classifier-free guidance.*cfg_scale=1\.0"),
-        ("nft_decay", "ema", r"flowgrpo\.nft_decay='ema'.*copy, linear_to_0_5"),
-        ("nft_solver", "dpm3", r"flowgrpo\.nft_solver='dpm3'.*dpm2.*euler"),
-        ("nft_beta", 0.0, r"flowgrpo\.nft_beta=0\.0.*> 0"),
-        ("nft_timestep_fraction", 0.05, r"flowgrpo\.nft_timestep_fraction=0\.05.*at least one step"),
+        ("nft.decay", "ema", r"flowgrpo\.nft.decay='ema'.*copy, linear_to_0_5"),
+        ("nft.solver", "dpm3", r"flowgrpo\.nft.solver='dpm3'.*dpm2.*euler"),
+        ("nft.beta", 0.0, r"flowgrpo\.nft.beta=0\.0.*> 0"),
+        ("nft.timestep_fraction", 0.05, r"flowgrpo\.nft.timestep_fraction=0\.05.*at least one step"),
     ],
 )
 def test_bad_keys_are_refused_naming_the_key(key, value, match):

@@ -52,7 +52,7 @@ import json, os, sys, tempfile
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 import sp_diffusers
-from sp_diffusers import exit_hook
+from sp_diffusers.parallel import exit_hook
 
 sp_diffusers.install()
 sp_diffusers.install()

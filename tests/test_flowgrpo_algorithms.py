@@ -414,8 +414,8 @@ def test_dance_grpo_rollout_and_timestep_selection(tmp_path):
     c.train.out_dir, c.train.progress, c.train.plot = str(tmp_path), False, False
     trainer = FlowGRPOTrainer(c)
     assert "DanceGRPO" in trainer.schedule.source  # schedule auto -> linspace for dance_grpo
-    batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
-    steps = batch["train_steps"]
+    batch = trainer.iteration_batch(0).prepared(trainer.engine)
+    steps = batch.plan.train_steps
     assert steps.shape == (8, 4)  # int(7 * 0.6) = 4
     assert steps.max() <= 6 and steps.min() >= 0  # the last step (index 7) is never trained
     assert all(len(set(row.tolist())) == 4 for row in steps)  # without replacement

@@ -4,7 +4,7 @@
   before ``randn_tensor(..., dtype=model_output.dtype)``), for every step type.
 - ``sde_type: cps`` with ``kl_coef > 0`` and a window that reaches the last step (sigma' = 0, noise std 0) is
   refused by the config check: the KL there divides by 0.
-- DanceGRPO's KL scale: ``flowgrpo.dance_kl`` chooses verl-omni's (the Gaussian KL of the two steps) or flow_grpo's
+- DanceGRPO's KL scale: ``flowgrpo.dance.kl`` chooses verl-omni's (the Gaussian KL of the two steps) or flow_grpo's
   scale (no dt factor).
 """
 
@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from sp_diffusers.flowgrpo.algorithms.base import StepInputs
 from sp_diffusers.flowgrpo.algorithms.dance_grpo import DanceGRPO
 from sp_diffusers.flowgrpo.algorithms.flow_grpo import FlowGRPO
 from sp_diffusers.flowgrpo.algorithms.loss import flowgrpo_loss
@@ -51,8 +52,15 @@ def test_bf16_rollout_draws_float32_noise(sde_type):
 
 def _config(**flowgrpo) -> TrainConfig:
     c = TrainConfig()
-    for k, v in flowgrpo.items():
-        setattr(c.flowgrpo, k, v)
+    for k, v in flowgrpo.items():  # an algorithm's section: mix={"window_size": 2}, or "mix.window_size"=2
+        if isinstance(v, dict):
+            for key, value in v.items():
+                setattr(getattr(c.flowgrpo, k), key, value)
+        elif "." in k:
+            section, key = k.split(".")
+            setattr(getattr(c.flowgrpo, section), key, v)
+        else:
+            setattr(c.flowgrpo, k, v)
     return c
 
 
@@ -98,14 +106,16 @@ def test_dance_kl_scale_follows_the_chosen_reference():
     sigmas = schedule.sigmas.double()
     step = rule.step(x, v, sigmas, steps, prev_sample=x)
     ref = rule.step(x, v_ref, sigmas, steps, prev_sample=x)
-    verl = DanceGRPO(_config(algorithm="dance_grpo", dance_kl="verl_omni"))
-    flow = DanceGRPO(_config(algorithm="dance_grpo", dance_kl="flow_grpo"))
+    verl = DanceGRPO(_config(algorithm="dance_grpo", dance=dict(kl="verl_omni")))
+    flow = DanceGRPO(_config(algorithm="dance_grpo", dance=dict(kl="flow_grpo")))
     dt = (sigmas[steps] - sigmas[steps + 1]).double()
-    torch.testing.assert_close(verl.kl_std(step.std_dev_t, schedule, steps), eta * dt.sqrt())
-    torch.testing.assert_close(flow.kl_std(step.std_dev_t, schedule, steps), step.std_dev_t)
-    # flow_grpo's sde and cps steps keep their own std_dev_t whatever dance_kl says
-    sde = FlowGRPO(_config(dance_kl="verl_omni"))
-    assert sde.kl_std(step.std_dev_t, schedule, steps) is step.std_dev_t
+    # what the update's evaluation hands the loss: the step's std_dev_t and sqrt(sigma - sigma') (update.py)
+    inputs = StepInputs(steps, std_dev_t=step.std_dev_t, sqrt_dt=dt.sqrt())
+    torch.testing.assert_close(verl.kl_std(inputs), eta * dt.sqrt())
+    torch.testing.assert_close(flow.kl_std(inputs), step.std_dev_t)
+    # flow_grpo's sde and cps steps keep their own std_dev_t whatever dance.kl says
+    sde = FlowGRPO(_config(dance=dict(kl="verl_omni")))
+    assert sde.kl_std(inputs) is step.std_dev_t
 
     def kl(cfg):
         _, m = flowgrpo_loss(
@@ -116,7 +126,7 @@ def test_dance_kl_scale_follows_the_chosen_reference():
             kl_coef=1.0,
             prev_sample_mean=step.prev_sample_mean,
             ref_prev_sample_mean=ref.prev_sample_mean,
-            std_dev_t=cfg.kl_std(step.std_dev_t, schedule, steps),
+            std_dev_t=cfg.kl_std(inputs),
         )
         return m["kl"]
 
@@ -136,5 +146,5 @@ def test_dance_kl_scale_follows_the_chosen_reference():
 def test_dance_kl_values_are_checked():
     from sp_diffusers.flowgrpo.build import check_algorithm
 
-    with pytest.raises(ConfigError, match=r"flowgrpo\.dance_kl='verl'.*verl_omni.*flow_grpo"):
-        check_algorithm(_config(algorithm="dance_grpo", dance_kl="verl"))  # a dance_grpo key, checked there
+    with pytest.raises(ConfigError, match=r"flowgrpo\.dance.kl='verl'.*verl_omni.*flow_grpo"):
+        check_algorithm(_config(algorithm="dance_grpo", dance=dict(kl="verl")))  # a dance_grpo key, checked there

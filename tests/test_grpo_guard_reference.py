@@ -28,9 +28,19 @@ from sp_diffusers.flowgrpo.algorithms.dance_grpo import DanceGRPO
 from sp_diffusers.flowgrpo.algorithms.flow_grpo import FlowGRPO
 from sp_diffusers.flowgrpo.algorithms.grpo_guard import GRPOGuard, grpo_guard_loss
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
+from sp_diffusers.flowgrpo.models.base import FamilyAdapter
+from sp_diffusers.flowgrpo.sampling.denoise import Sampler, Span, denoise
 from sp_diffusers.flowgrpo.sampling.pipeline_schedule import pipeline_schedule
-from sp_diffusers.flowgrpo.sampling.rollout import Trajectory, rollout
 from sp_diffusers.flowgrpo.sampling.sde import StepRule, ode_step
+from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
+from sp_diffusers.flowgrpo.update import step_loss
+
+
+def _samples(n: int, prompt: str = "a"):
+    """A batch of ``n`` samples for an algorithm's plan (prompts only: nothing is encoded)."""
+    from sp_diffusers.flowgrpo.batch import IterationBatch
+
+    return IterationBatch([prompt] * n, {}, torch.arange(n), torch.zeros(n))
 
 REL = 1e-9
 NOISE = 0.7
@@ -43,8 +53,15 @@ def _close(actual, expected, rel=REL):
 
 def _config(**flowgrpo) -> TrainConfig:
     c = TrainConfig()
-    for k, v in flowgrpo.items():
-        setattr(c.flowgrpo, k, v)
+    for k, v in flowgrpo.items():  # an algorithm's section: mix={"window_size": 2}, or "mix.window_size"=2
+        if isinstance(v, dict):
+            for key, value in v.items():
+                setattr(getattr(c.flowgrpo, k), key, value)
+        elif "." in k:
+            section, key = k.split(".")
+            setattr(getattr(c.flowgrpo, section), key, v)
+        else:
+            setattr(c.flowgrpo, k, v)
     return c
 
 
@@ -61,9 +78,14 @@ class _Engine:
     """``engine.forward`` of a velocity that is a per-sample function of its inputs (no reduction across the batch),
     so a sample's numbers do not depend on the rest of the batch; LoRA's switch flips ``w`` (the reference)."""
 
+    num_experts = 1
+
     def __init__(self, w: float = 0.3) -> None:
         self.model = _Model(w)
         self.off = False
+
+    def for_step(self, step: int) -> _Engine:
+        return self
 
     def forward(self, hidden_states, timestep, text):
         w = self.model.w * (0.5 if self.off else 1.0)
@@ -79,7 +101,7 @@ class _Engine:
             self.off = False
 
 
-class _Adapter:
+class _Adapter(FamilyAdapter):
     def inputs(self, x, t, embeds, mask, pooled=None):
         return {"hidden_states": x, "timestep": t, "text": embeds}
 
@@ -134,7 +156,7 @@ def _per_prompt_advantages(prompts, rewards):
 @pytest.mark.parametrize("bias", ["batch", "sample"])
 def test_guard_loss_matches_both_references(step, bias):
     """At the first step (sigma = 1: flow_grpo's sigmas[1] substitute), the last one 0.99 N trains, and the very last
-    (sigma' = 0); ``guard_bias: batch`` is flow_grpo's script, ``sample`` verl-omni's."""
+    (sigma' = 0); ``guard.bias: batch`` is flow_grpo's script, ``sample`` verl-omni's."""
     sigmas = pipeline_schedule("sd3", 10).sigmas.double()
     g = torch.Generator().manual_seed(step)
     b = 6
@@ -244,7 +266,7 @@ def _step_case(per_sample: bool, kl: float = 0.0):
 
 @pytest.mark.parametrize("per_sample", [False, True], ids=["shared_window", "per_sample_windows"])
 def test_guard_step_loss_matches_verl_omni_through_the_seam(per_sample):
-    """``GRPOGuard.step_loss`` (the evaluation, the step's std_dev_t and sqrt(-dt) from the schedule, the loss) against
+    """``GRPOGuard`` through the update's ``step_loss`` (the evaluation, the step's std_dev_t and sqrt(-dt) from the schedule, the loss) against
     verl-omni's formula on the same velocities; with per-sample windows the rows sit at different steps and the scale
     is the micro-batch mean, as verl-omni takes it."""
     c, schedule, traj, old, adv, ctx, cond = _step_case(per_sample)
@@ -280,9 +302,9 @@ def test_guard_step_loss_matches_verl_omni_through_the_seam(per_sample):
         drift = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
         traj.old_means[:, k] = torch.stack(mus) + 0.01 * drift
         old[:, k] = torch.stack(lps) - torch.tensor([0.002, -0.3, 0.1, -0.01], dtype=torch.float64)
-        loss, m = guard.step_loss(
+        loss, m = step_loss(
             engine,
-            None,
+            algorithm=guard,
             ctx=ctx,
             traj=traj,
             k=k,
@@ -315,9 +337,9 @@ def test_guard_step_loss_kl_is_flow_grpos():
     engine = _Engine()
     guard = GRPOGuard(c)
     idx = torch.arange(4)
-    _, m = guard.step_loss(
+    _, m = step_loss(
         engine,
-        None,
+        algorithm=guard,
         ctx=ctx,
         traj=traj,
         k=1,
@@ -353,11 +375,12 @@ def test_timestep_fraction_trains_the_first_steps_in_order(algorithm, fraction, 
     c = _config(algorithm=algorithm, sde_steps="all", num_steps=10, timestep_fraction=fraction)
     cls = GRPOGuard if algorithm == "grpo_guard" else FlowGRPO
     cls.check(c)
-    batch = {"prompts": ["a"] * 3}
-    cls(c).plan(batch, torch.Generator().manual_seed(0))
-    assert batch["train_steps"].tolist() == [list(range(trained))] * 3
-    assert batch["train_steps_host"] == list(range(trained))
-    assert cls(c).span(batch, 10) == (0, 10)
+    batch = _samples(3)
+    cls(c).plan(batch, torch.Generator().manual_seed(0), 0, torch.Generator())
+    assert batch.plan.train_steps.tolist() == [list(range(trained))] * 3
+    assert batch.plan.host_steps == list(range(trained))
+    span = cls(c).span(batch.plan, pipeline_schedule("sd3", 10))
+    assert (span.start, span.size) == (0, 10)
     assert DanceGRPO.timestep_fraction(_config(algorithm="dance_grpo")) == 0.6
 
 
@@ -372,14 +395,15 @@ def test_per_sample_windows_draw_every_start_each_from_its_own_generator():
     algo = FlowGRPO(c)
     seen = set()
     for seed in range(40):
-        small, large = {"prompts": ["a"] * 4}, {"prompts": ["a"] * 9}
-        algo.plan(small, torch.Generator().manual_seed(seed))
-        algo.plan(large, torch.Generator().manual_seed(seed))
-        assert large["window_starts"][:4] == small["window_starts"]
-        seen.update(large["window_starts"])
-        steps = large["train_steps"]
-        assert torch.equal(steps, torch.tensor(large["window_starts"])[:, None] + torch.arange(w))
-        assert algo.span(large, n) == (large["window_starts"], w)
+        small, large = _samples(4), _samples(9)
+        algo.plan(small, torch.Generator().manual_seed(seed), 0, torch.Generator())
+        algo.plan(large, torch.Generator().manual_seed(seed), 0, torch.Generator())
+        assert large.plan.window_starts[:4] == small.plan.window_starts
+        seen.update(large.plan.window_starts)
+        steps = large.plan.train_steps
+        assert torch.equal(steps, torch.tensor(large.plan.window_starts)[:, None] + torch.arange(w))
+        span = algo.span(large.plan, pipeline_schedule("sd3", n))
+        assert (span.start, span.size) == (large.plan.window_starts, w)
     assert seen == set(range(n - w + 1))  # both ends: the first step and a window ending at the last step
 
 
@@ -391,7 +415,7 @@ def test_per_sample_windows_draw_every_start_each_from_its_own_generator():
     ({"sde_steps": "all", "timestep_fraction": 0.05}, r"timestep_fraction=0\.05 x num_steps=8 trains no step"),
     ({"sde_steps": "all", "sde_type": "cps", "kl_coef": 0.1, "timestep_fraction": 1.0}, r"trains the last step"),
     ({"algorithm": "grpo_guard", "sde_type": "cps"}, r"flowgrpo\.sde_type='cps'.*fix: flowgrpo\.sde_type=sde"),
-    ({"algorithm": "grpo_guard", "guard_bias": "mean"}, r"flowgrpo\.guard_bias='mean'.*'sample'.*'batch'"),
+    ({"algorithm": "grpo_guard", "guard.bias": "mean"}, r"flowgrpo\.guard.bias='mean'.*'sample'.*'batch'"),
 ])
 def test_bad_keys_are_named_with_the_fix(keys, words):
     from sp_diffusers.flowgrpo.build import check_algorithm
@@ -405,11 +429,11 @@ def test_two_experts_refuse_per_sample_windows_and_share_the_first_steps():
     with pytest.raises(
         ConfigError, match=r"per_sample_windows=true with two experts.*per_sample_windows=false"
     ):
-        FlowGRPO(c).share_plan({"prompts": ["a"] * 2}, {0, 1, 2, 3}, torch.Generator())
+        FlowGRPO(c).share_plan(_samples(2), {0, 1, 2, 3}, torch.Generator())
     c = _config(algorithm="grpo_guard", num_steps=8)  # first 7 steps trained; the trained expert runs 4..7
-    batch = {"prompts": ["a"] * 2}
+    batch = _samples(2)
     GRPOGuard(c).share_plan(batch, {4, 5, 6, 7}, torch.Generator())
-    assert batch["train_steps_host"] == [4, 5, 6] and batch["train_steps"].tolist() == [[4, 5, 6]] * 2
+    assert batch.plan.host_steps == [4, 5, 6] and batch.plan.train_steps.tolist() == [[4, 5, 6]] * 2
     with pytest.raises(ConfigError, match=r"none of the trained steps 0\.\.6"):
         GRPOGuard(c).check_trainable({7}, {7: "transformer_2"}, ["transformer_2"])
 
@@ -422,15 +446,11 @@ def _rollout(starts, w=2, n=6, keep_means=False, device="cpu", seed=5):
     noise = torch.randn(b, 5, 4, generator=torch.Generator().manual_seed(1)).to(device)
     schedule = pipeline_schedule("sd3", n)
     cond = {k: v.to(device) for k, v in _cond(b).items()}
-    traj = rollout(
-        engine,
-        _Adapter(),
+    traj = denoise(
+        Sampler(engine, _Adapter(), schedule),
         cond,
         noise,
-        schedule,
-        starts,
-        w,
-        StepRule("sde", NOISE),
+        Span(starts, w, StepRule("sde", NOISE)),
         torch.Generator().manual_seed(seed),
         keep_means=keep_means,
     )

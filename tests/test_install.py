@@ -162,7 +162,7 @@ def test_user_registered_plan_is_attached_and_detached():
         sp_diffusers.uninstall()
         assert SanaTransformer2DModel._cp_plan is None
     finally:
-        plans._registry._PLANS.pop("SanaTransformer2DModel", None)
+        plans.assignments._PLANS.pop("SanaTransformer2DModel", None)
         sp_diffusers.uninstall()
 
 
@@ -183,7 +183,9 @@ def test_a_wheel_works_from_any_directory(tmp_path):
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src], check=True)
     (wheel,) = (tmp_path / "dist").glob("sp_diffusers-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    patch_files = {f"sp_diffusers/patching/patches/{p.name}" for p in (root / "sp_diffusers" / "patches").glob("*.py")}
+    patch_files = {
+        f"sp_diffusers/patching/patches/{p.name}" for p in (root / "sp_diffusers" / "patching" / "patches").glob("*.py")
+    }
     assert len(patch_files) > 10 and patch_files <= names, sorted(patch_files - names)
     assert {n.split("/")[0] for n in names} == {"sp_diffusers", wheel.name.split("-py3")[0] + ".dist-info"}
     site = tmp_path / "site"
@@ -207,7 +209,7 @@ def test_a_wheel_works_from_any_directory(tmp_path):
         assert proc.returncode == 0, f"from {cwd}:\n{proc.stderr[-3000:]}"
         package, patches = proc.stdout.split()
         assert Path(package).is_relative_to(expected / "sp_diffusers"), (cwd, package)
-        assert Path(patches).is_relative_to(expected / "sp_diffusers" / "patches"), (cwd, patches)
+        assert Path(patches).is_relative_to(expected / "sp_diffusers" / "patching" / "patches"), (cwd, patches)
 
 
 def test_cpu_device_count_probe_survives_a_cuda_build_without_a_driver(monkeypatch):

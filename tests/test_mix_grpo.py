@@ -21,7 +21,8 @@ from sp_diffusers.flowgrpo.algorithms.base import StepContext
 from sp_diffusers.flowgrpo.algorithms.mix_grpo import MixGRPO, MixWindows
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 from sp_diffusers.flowgrpo.sampling.pipeline_schedule import linspace_schedule
-from sp_diffusers.flowgrpo.sampling.rollout import Trajectory
+from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
+from sp_diffusers.flowgrpo.update import step_loss
 
 from .test_mix_grpo_tail import _COND, _Adapter, _Engine, _Model
 
@@ -31,8 +32,15 @@ F64 = 1e-10
 def _mix_config(**keys) -> TrainConfig:
     c = TrainConfig()
     c.flowgrpo.algorithm, c.flowgrpo.shift = "mix_grpo", 3.0
-    for k, v in keys.items():
-        setattr(c.flowgrpo, k, v)
+    for k, v in keys.items():  # an algorithm's section: mix={"window_size": 2}, or "mix.window_size"=2
+        if isinstance(v, dict):
+            for key, value in v.items():
+                setattr(getattr(c.flowgrpo, k), key, value)
+        elif "." in k:
+            section, key = k.split(".")
+            setattr(getattr(c.flowgrpo, section), key, v)
+        else:
+            setattr(c.flowgrpo, k, v)
     return c
 
 
@@ -92,15 +100,7 @@ CASES = [
 @pytest.mark.parametrize(("strategy", "ipg", "overlap", "step", "roll_back"), CASES)
 def test_window_schedule_is_the_references(strategy, ipg, overlap, step, roll_back):
     n, size = 25, 4
-    c = _mix_config(
-        num_steps=n,
-        mix_window_size=size,
-        mix_strategy=strategy,
-        mix_iters_per_group=ipg,
-        mix_prog_overlap=overlap,
-        mix_prog_overlap_step=step,
-        mix_roll_back=roll_back,
-    )
+    c = _mix_config(num_steps=n, mix=dict(window_size=size, strategy=strategy, iters_per_group=ipg, prog_overlap=overlap, prog_overlap_step=step, roll_back=roll_back))
     g = c.flowgrpo
     MixGRPO.check(c)
     ref = _ReferenceStates(
@@ -110,11 +110,11 @@ def test_window_schedule_is_the_references(strategy, ipg, overlap, step, roll_ba
         strategy,
         overlap,
         step,
-        g.mix_max_iters_per_group,
-        g.mix_min_iters_per_group,
+        g.mix.max_iters_per_group,
+        g.mix.min_iters_per_group,
         roll_back,
-        g.mix_exp_decay_threshold,
-        g.mix_exp_decay_k,
+        g.mix.exp_decay_threshold,
+        g.mix.exp_decay_k,
     )
     ours = MixWindows(g)
     # enough iterations to reach the end at least twice (the slowest case: 23 moves of 25 iterations)
@@ -143,9 +143,7 @@ def test_window_schedule_is_the_references(strategy, ipg, overlap, step, roll_ba
 def test_window_schedule_ends_and_resume():
     """Both ends spelled out (progressive, stride 1, 2 iterations per position), and a window asked out of order
     (a resumed run) equal to the one reached in order."""
-    c = _mix_config(
-        num_steps=10, mix_window_size=3, mix_iters_per_group=2, mix_prog_overlap=True, mix_roll_back=True
-    )
+    c = _mix_config(num_steps=10, mix=dict(window_size=3, iters_per_group=2, prog_overlap=True, roll_back=True))
     w = MixWindows(c.flowgrpo)
     got = [w.window(i, torch.Generator())[:2] for i in range(20)]
     # max = 8: starts 0, 0, 1, 1, ..., 5, 5 (full windows), 6, 6 (steps 6, 7), 7, 7 (step 7), 8, 8 (none), 0, 0
@@ -160,7 +158,7 @@ def test_window_schedule_ends_and_resume():
 
 
 def test_random_windows_are_uniform_and_shared():
-    c = _mix_config(num_steps=25, mix_strategy="random")
+    c = _mix_config(num_steps=25, mix=dict(strategy="random"))
     w = MixWindows(c.flowgrpo)
     starts = [w.window(i, torch.Generator().manual_seed(1000 + i))[0] for i in range(600)]
     assert starts[0] == 0  # the reference's first iteration trains the initial window
@@ -173,10 +171,10 @@ def test_random_windows_are_uniform_and_shared():
 
 def test_the_window_is_the_same_on_every_data_parallel_rank(tmp_path):
     """The trainer seeds the window by the iteration alone: dp ranks 0 and 1 train the same steps on their own
-    noise; with mix_same_noise the samples of a prompt share their first sample's noise."""
+    noise; with mix.same_noise the samples of a prompt share their first sample's noise."""
     from sp_diffusers.flowgrpo.trainer import FlowGRPOTrainer
 
-    c = _mix_config(num_steps=12, mix_strategy="random", mix_same_noise=True)
+    c = _mix_config(num_steps=12, mix=dict(strategy="random", same_noise=True))
     c.model.overrides = {"num_layers": 1}
     c.parallel.ulysses_sequence_parallel_size = 1
     c.train.out_dir, c.train.progress, c.train.plot = str(tmp_path), False, False
@@ -187,23 +185,23 @@ def test_the_window_is_the_same_on_every_data_parallel_rank(tmp_path):
         batches[dp_rank] = [trainer.iteration_batch(it) for it in range(1, 6)]
     trainer.engine.layout.dp_rank = 0
     for a, b in zip(batches[0], batches[1], strict=True):
-        assert (a["window_start"], a["window_size"]) == (b["window_start"], b["window_size"])
-        assert not torch.equal(a["latents"], b["latents"])
+        assert (a.plan.window_start, a.plan.window_size) == (b.plan.window_start, b.plan.window_size)
+        assert not torch.equal(a.latents, b.latents)
         for first in range(0, 8, 4):  # group_size 4: one noise per group, another for the next group
-            assert all(torch.equal(a["latents"][first], a["latents"][first + j]) for j in range(4))
-        assert not torch.equal(a["latents"][0], a["latents"][4])
-    assert len({b["window_start"] for b in batches[0]}) > 1  # it moves between iterations
+            assert all(torch.equal(a.latents[first], a.latents[first + j]) for j in range(4))
+        assert not torch.equal(a.latents[0], a.latents[4])
+    assert len({b.plan.window_start for b in batches[0]}) > 1  # it moves between iterations
 
 
 # ------------------------------------------------------------------------------------ the loss, advantages
 
 
 def test_loss_is_the_references():
-    """MixGRPO.step_loss in float64 against train_one_step's arithmetic: the ratio of flow_grpo_step's log-prob of
+    """MixGRPO's loss through the update's step_loss in float64 against train_one_step's arithmetic: the ratio of flow_grpo_step's log-prob of
     the stored next latent to the rollout's, the clipped policy loss of the clamped advantages, plus kl_coeff *
     0.5 mean((lp - lp_old)^2), each divided by grad-accumulation x trained steps."""
     n, shift, eta, clip, kl_coeff, normalizer = 10, 3.0, 0.7, 1e-4, 0.3, 6.0
-    c = _mix_config(num_steps=n, noise_level=eta, clip_range=clip, mix_kl_coef=kl_coeff)
+    c = _mix_config(num_steps=n, noise_level=eta, clip_range=clip, mix=dict(kl_coef=kl_coeff))
     algorithm = MixGRPO(c)
     model = _Model(4, torch.float64)
     schedule = linspace_schedule(n, shift)
@@ -232,9 +230,9 @@ def test_loss_is_the_references():
         kl = 0.5 * torch.mean((lp - old) ** 2)
         old_table = torch.zeros(b, 2, dtype=torch.float64)
         old_table[:, k] = old
-        loss, metrics = algorithm.step_loss(
+        loss, metrics = step_loss(
             _Engine(model),
-            None,
+            algorithm=algorithm,
             ctx=ctx,
             traj=traj,
             k=k,
@@ -271,22 +269,22 @@ def test_advantages_are_the_references():
     ("keys", "words"),
     [
         ({"sde_type": "cps"}, r"flowgrpo\.sde_type='cps'.*Flow-GRPO's SDE step"),
-        ({"mix_strategy": "linear"}, r"flowgrpo\.mix_strategy='linear'.*progressive"),
-        ({"mix_window_size": 0}, r"flowgrpo\.mix_window_size=0: at least 1"),
+        ({"mix.strategy": "linear"}, r"flowgrpo\.mix.strategy='linear'.*progressive"),
+        ({"mix.window_size": 0}, r"flowgrpo\.mix\.window_size=0 is invalid: at least 1"),
         (
-            {"mix_strategy": "random", "num_steps": 5},
-            r"flowgrpo\.mix_window_size=4.*at most num_steps - 2 = 3",
+            {"mix.strategy": "random", "num_steps": 5},
+            r"flowgrpo\.mix.window_size=4.*at most num_steps - 2 = 3",
         ),
-        ({"mix_tail_solver": "unipc"}, r"flowgrpo\.mix_tail_solver='unipc'.*dpmsolver\+\+"),
-        ({"mix_tail_compress_ratio": 0.0}, r"flowgrpo\.mix_tail_compress_ratio=0\.0: in \(0, 1\]"),
-        ({"mix_dpm_solver_type": "euler"}, r"flowgrpo\.mix_dpm_solver_type='euler'.*midpoint"),
-        ({"kl_coef": 0.1}, r"flowgrpo\.kl_coef=0\.1.*flowgrpo\.mix_kl_coef.*fix: flowgrpo\.kl_coef=0"),
+        ({"mix.tail_solver": "unipc"}, r"flowgrpo\.mix.tail_solver='unipc'.*dpmsolver\+\+"),
+        ({"mix.tail_compress_ratio": 0.0}, r"flowgrpo\.mix\.tail_compress_ratio=0\.0 is invalid: in \(0, 1\]"),
+        ({"mix.dpm_solver_type": "euler"}, r"flowgrpo\.mix.dpm_solver_type='euler'.*midpoint"),
+        ({"kl_coef": 0.1}, r"flowgrpo\.kl_coef=0\.1.*flowgrpo\.mix.kl_coef.*fix: flowgrpo\.kl_coef=0"),
         ({"shift": 0.0}, r"flowgrpo\.shift=0\.0.*fix: flowgrpo\.shift=3"),
         (
-            {"schedule": "pipeline", "mix_tail_solver": "dpmsolver++"},
-            r"flowgrpo\.schedule='pipeline'.*fix: flowgrpo\.schedule=auto.*mix_tail_solver=euler",
+            {"schedule": "pipeline", "mix.tail_solver": "dpmsolver++"},
+            r"flowgrpo\.schedule='pipeline'.*fix: flowgrpo\.schedule=auto.*mix.tail_solver=euler",
         ),
-        ({"mix_strategy": "decay", "mix_min_iters_per_group": 20}, r"mix_min_iters_per_group=20.*<= mix_max"),
+        ({"mix.strategy": "decay", "mix.min_iters_per_group": 20}, r"mix.min_iters_per_group=20.*<= mix.max"),
         ({"num_steps": 2}, r"flowgrpo\.num_steps=2.*at least 3"),
     ],
 )

@@ -41,11 +41,11 @@ def test_mix_grpo_variant_reward_rises(tmp_path):
     )
     lines = _check_run(out, 20)
     assert "algorithm: mix_grpo" in proc.stdout
-    # the window: steps 0-1 for 10 iterations (mix_iters_per_group), then moved by one step
+    # the window: steps 0-1 for 10 iterations (mix.iters_per_group), then moved by one step
     assert [m["cur_timesteps"] for m in lines] == [0.0] * 10 + [1.0] * 10
     assert all(m["window_size"] == 2.0 and "kl_loss" in m for m in lines)
     first = sum(m["reward_mean"] for m in lines[:5]) / 5
     last = sum(m["reward_mean"] for m in lines[-5:]) / 5
     assert last - first > 0.1, f"reward did not rise: first {first:+.4f} -> last {last:+.4f}"
     config = json.loads((out / "config.json").read_text())
-    assert config["flowgrpo"]["mix_tail_solver"] == "dpmsolver++"
+    assert config["flowgrpo"]["mix"]["tail_solver"] == "dpmsolver++"

@@ -23,9 +23,10 @@ import math
 import pytest
 import torch
 
+from sp_diffusers.flowgrpo.models.base import FamilyAdapter
+from sp_diffusers.flowgrpo.sampling.denoise import Sampler, Span, denoise
 from sp_diffusers.flowgrpo.sampling.dpm import compressed_tail, dpm_solver_pp_step
 from sp_diffusers.flowgrpo.sampling.pipeline_schedule import linspace_schedule
-from sp_diffusers.flowgrpo.sampling.rollout import rollout
 from sp_diffusers.flowgrpo.sampling.sde import StepRule
 
 F64 = 1e-10
@@ -147,14 +148,19 @@ class _Model(torch.nn.Module):
 
 
 class _Engine:
+    num_experts = 1
+
     def __init__(self, model: _Model) -> None:
         self.model = model
+
+    def for_step(self, step: int) -> _Engine:
+        return self
 
     def forward(self, **inputs) -> torch.Tensor:
         return self.model(**inputs)
 
 
-class _Adapter:
+class _Adapter(FamilyAdapter):
     def inputs(self, latents, timestep, embeds, mask, pooled=None):
         return {"hidden_states": latents, "timestep": timestep.expand(latents.shape[0])}
 
@@ -225,17 +231,12 @@ def test_rollout_with_the_tail_is_the_references(n, start, size, ratio, solver):
         tail = compressed_tail(n, shift, start + size - 1, ratio, solver)
     schedule = linspace_schedule(n, shift)
     with torch.no_grad():
-        traj = rollout(
-            _Engine(model),
-            _Adapter(),
+        traj = denoise(
+            Sampler(_Engine(model), _Adapter(), schedule),
             _COND,
             noise,
-            schedule,
-            start,
-            size,
-            StepRule("sde", eta),
-            torch.Generator().manual_seed(seed),
-            tail=tail,
+            Span(start, size, StepRule("sde", eta), tail=tail),
+            torch.Generator().manual_seed(seed)
         )
         calls = model.calls
         final, latents, log_probs, steps = _reference_rollout(
@@ -254,16 +255,12 @@ def test_an_empty_window_stores_one_latent_and_no_log_prob():
     schedule = linspace_schedule(8, 3.0)
     noise = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        traj = rollout(
-            _Engine(_Model(4)),
-            _Adapter(),
+        traj = denoise(
+            Sampler(_Engine(_Model(4)), _Adapter(), schedule),
             _COND,
             noise,
-            schedule,
-            6,
-            0,
-            StepRule("sde", 0.7),
-            torch.Generator(),
+            Span(6, 0, StepRule("sde", 0.7)),
+            torch.Generator()
         )
         euler = noise.clone()
         model = _Model(4)
@@ -288,17 +285,12 @@ def test_the_rollout_with_a_tail_reads_no_tensor_back():
     noise = torch.randn(2, 6, 4).to("meta")
     tail = compressed_tail(n, 3.0, 3, 0.7)
     with torch.no_grad():
-        traj = rollout(
-            _Engine(model),
-            _Adapter(),
+        traj = denoise(
+            Sampler(_Engine(model), _Adapter(), linspace_schedule(n, 3.0)),
             _COND,
             noise,
-            linspace_schedule(n, 3.0),
-            2,
-            2,
-            StepRule("sde", 0.7),
-            torch.Generator().manual_seed(0),
-            tail=tail,
+            Span(2, 2, StepRule("sde", 0.7), tail=tail),
+            torch.Generator().manual_seed(0)
         )
     assert (
         traj.final.device.type == "meta"

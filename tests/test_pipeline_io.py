@@ -169,6 +169,7 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
 
     from sp_diffusers.engine import FSDPEngine
     from sp_diffusers.flowgrpo.algorithms.registry import algorithm_for
+    from sp_diffusers.flowgrpo.batch import IterationBatch
     from sp_diffusers.flowgrpo.build import run_schedule
     from sp_diffusers.flowgrpo.models.adapters import build_adapter
     from sp_diffusers.flowgrpo.models.experts import (
@@ -205,12 +206,12 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     assert engines.route == order  # WanPipeline: timestep >= 0.875 x 1000 -> transformer, else transformer_2
 
     # the window start is drawn from the iteration's seed alone (every dp rank alike), over trained steps only
-    batch = {"prompts": ["x"] * 2}
+    batch = IterationBatch(["x"] * 2, {}, torch.arange(2), torch.zeros(2))
     algorithm = algorithm_for(c)
     algorithm.share_plan(batch, set(engines.trainable_steps()), torch.Generator().manual_seed(5))
-    again = dict(prompts=["x"] * 2)
+    again = IterationBatch(["x"] * 2, {}, torch.arange(2), torch.zeros(2))
     algorithm.share_plan(again, set(engines.trainable_steps()), torch.Generator().manual_seed(5))
-    assert batch["window_start"] == again["window_start"]
+    assert batch.plan.window_start == again.plan.window_start
 
     c.model.experts = ["transformer_2"]
     low_only = build_engines(c, None, FSDPEngine)
@@ -222,9 +223,9 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
     c.flowgrpo.num_steps, c.flowgrpo.window_size, c.flowgrpo.window_range = 4, 2, [0, 2]
     # DanceGRPO with two experts: one subset of the trained expert's steps for the whole batch (never the last)
     c.flowgrpo.algorithm, c.flowgrpo.timestep_fraction = "dance_grpo", 0.6
-    dance = {"prompts": ["x"] * 3}
+    dance = IterationBatch(["x"] * 3, {}, torch.arange(3), torch.zeros(3))
     algorithm_for(c).share_plan(dance, set(low_only.trainable_steps()), torch.Generator().manual_seed(1))
-    assert dance["train_steps_host"] == [2] and dance["train_steps"].tolist() == [[2]] * 3
+    assert dance.plan.host_steps == [2] and dance.plan.train_steps.tolist() == [[2]] * 3
     c.flowgrpo.algorithm = "flow_grpo"
     with pytest.raises(ConfigError, match=r"no trainable window .* fix: flowgrpo\.window_range=\[2, 3\]"):
         check_expert_steps(low_only, algorithm_for(c))

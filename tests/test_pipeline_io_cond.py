@@ -149,7 +149,7 @@ def test_cfg_in_one_forward_pairs_the_condition(folders, family, tmp_path):
     from sp_diffusers.flowgrpo.models.adapters import build_adapter
     from sp_diffusers.flowgrpo.models.conditioning import build_conditioning
     from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
-    from sp_diffusers.flowgrpo.sampling.rollout import velocity
+    from sp_diffusers.flowgrpo.sampling.denoise import velocity
     from sp_diffusers.parallel.padding import pad_text_batch
 
     _image(32, 64).save(tmp_path / "a.png")

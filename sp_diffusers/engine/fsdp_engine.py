@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel.devices import default_device, fetch_scalars, use_device
-from ..parallel.ledger import comm_phase
+from ..parallel.devices import collective_device, default_device, fetch_scalars, to_device, use_device
+from ..parallel.ledger import comm_kind, comm_phase
 from ..parallel.mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
@@ -245,6 +245,25 @@ class FSDPEngine:
         dtype = torch.bfloat16 if self.settings.mixed_precision == "bf16" else None
         return not self.sharded or held_params.fits(held_params.gathered_bytes(self.model, dtype), self.device)
 
+    def gather_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of every data-parallel rank stacked along dim 0, rank-major (one all-gather; ``t`` itself at dp 1)."""
+        if self.dp_group is None or self.dp_size == 1:
+            return t
+        mine = to_device(t, collective_device(self.dp_group))
+        gathered = mine.new_empty((self.dp_size * mine.shape[0], *mine.shape[1:]))
+        with comm_kind("data"):
+            dist.all_gather_into_tensor(gathered, mine, group=self.dp_group)
+        return to_device(gathered, t.device)
+
+    def for_step(self, step: int) -> FSDPEngine:
+        """The engine that runs schedule step ``step``: this one (a two-expert model picks one per step)."""
+        return self
+
+    @property
+    def num_experts(self) -> int:
+        """How many transformers take turns along the schedule (one here; Wan2.2-A14B's ``ExpertEngines``: two)."""
+        return 1
+
     def forward(self, **inputs: Any) -> torch.Tensor:
         """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank)."""
         return self.model(**inputs, return_dict=False)[0]
@@ -384,6 +403,10 @@ class FSDPEngine:
         """Write ``root/step-XXXXXXXX`` atomically (tmp folder, then rename) and point ``latest`` at it."""
         with comm_phase("checkpoint"):
             return ckpt.save_checkpoint(self, root, step, extra)
+
+    def find_latest(self, root: str | os.PathLike) -> Path | None:
+        """The newest complete checkpoint under ``root`` (None: none yet)."""
+        return ckpt.find_latest(root)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
         """Load ``path`` (a step folder, or a root whose ``latest`` names one); returns ``extra``.

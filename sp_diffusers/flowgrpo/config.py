@@ -11,19 +11,25 @@ import dataclasses
 import difflib
 import math
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "FLAT_KEYS",
     "GATHER_MODES",
     "LOGGERS",
     "TINY_KIND",
     "ConfigError",
+    "DanceConfig",
     "DataConfig",
     "FlowGRPOConfig",
+    "GuardConfig",
     "LoraConfig",
+    "MixConfig",
     "ModelConfig",
+    "NFTConfig",
     "OptimConfig",
     "ParallelConfig",
     "RolloutConfig",
@@ -33,6 +39,7 @@ __all__ = [
     "UpdateConfig",
     "apply_overrides",
     "load_config",
+    "require",
     "validate",
 ]
 
@@ -116,6 +123,79 @@ class OptimConfig:
 
 
 @dataclass
+class DanceConfig:
+    """``flowgrpo.dance``: DanceGRPO's keys (arXiv 2505.07818; algorithms/dance_grpo.py)."""
+
+    # the KL scale: "verl_omni" divides by the step's noise variance eta^2 (sigma - sigma') (the Gaussian KL of the
+    # two steps, as verl-omni's dance_sde); "flow_grpo" by eta^2 (no dt factor, as flow_grpo's SDE KL)
+    kl: str = "verl_omni"
+
+
+@dataclass
+class NFTConfig:
+    """``flowgrpo.nft``: DiffusionNFT's keys (arXiv 2509.16117; algorithms/diffusion_nft.py), the defaults of its
+    reference (NVlabs/DiffusionNFT config/nft.py)."""
+
+    beta: float = 1.0  # the implicit policies' mix (0.1 in its OCR and multi-reward configs)
+    # the old policy's decay schedule: copy | linear_to_0_5 | delayed_linear_to_0_999 (its decay_type 0 | 1 | 2)
+    decay: str = "linear_to_0_5"
+    timestep_fraction: float = 0.99  # the fraction of the N timesteps each sample trains
+    solver: str = "dpm2"  # the rollout's deterministic solver: dpm2 | euler
+
+
+@dataclass
+class GuardConfig:
+    """``flowgrpo.guard``: GRPO-Guard's keys (arXiv 2510.22319; algorithms/grpo_guard.py)."""
+
+    ratio_norm: bool = True  # RatioNorm and the 1 / mean(sqrt(-dt))^2 reweighting (false: the plain ratio)
+    # the ratio's mean-drift bias per sample ("sample", verl-omni) or its micro-batch mean ("batch", as flow_grpo's
+    # script computes it)
+    bias: str = "sample"
+
+
+@dataclass
+class MixConfig:
+    """``flowgrpo.mix``: MixGRPO's keys (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window
+    of ``window_size`` SDE steps whose start moves with training (``strategy``), Euler ODE before it, Euler or
+    DPM-Solver++ after it."""
+
+    window_size: int = 4  # SDE (and trained) steps per rollout; the window ends before step num_steps - 2
+    strategy: str = "progressive"  # progressive, random, decay, exp_decay: how the window's start moves
+    iters_per_group: int = 25  # iterations between two moves (progressive; exp_decay before its threshold)
+    prog_overlap: bool = False  # move by prog_overlap_step instead of by window_size
+    prog_overlap_step: int = 1  # (the released FLUX script: 1; MixGRPO-Flash*: 0, a window that stays at 0)
+    roll_back: bool = False  # past step num_steps - 2: back to step 0 (true) or stay at the end (false)
+    max_iters_per_group: int = 10  # decay: iterations per move at step 0, falling linearly ...
+    min_iters_per_group: int = 1  # ... to this at step num_steps - 2
+    exp_decay_threshold: int = 13  # exp_decay: iterations per move fall as exp(-k (start - threshold)) past it
+    exp_decay_k: float = 0.1
+    tail_solver: str = "euler"  # after the window: "euler", or "dpmsolver++" (multistep, order 2), fewer steps
+    tail_compress_ratio: float = 0.4  # dpmsolver++: int((num_steps - last window step) * ratio) tail points
+    dpm_solver_type: str = "midpoint"  # dpmsolver++'s second-order form: midpoint or heun
+    kl_coef: float = 0.01  # 0.5 mean((log_prob - old_log_prob)^2) per trained step (the reference's kl_loss)
+    same_noise: bool = False  # the samples of a prompt start from one noise (the reference's init_same_noise)
+
+
+# the flat keys of earlier releases -> (section, key); they still load, with a warning naming the new key
+FLAT_KEYS = {
+    "dance_kl": ("dance", "kl"),
+    **{f"nft_{k}": ("nft", k) for k in ("beta", "decay", "timestep_fraction", "solver")},
+    "ratio_norm": ("guard", "ratio_norm"),
+    "guard_bias": ("guard", "bias"),
+    **{f"mix_{f.name}": ("mix", f.name) for f in dataclasses.fields(MixConfig)},
+}
+
+
+def _warn_flat(path: str) -> None:
+    section, key = FLAT_KEYS[path.rsplit(".", 1)[-1]]
+    warnings.warn(
+        f"{path} is now flowgrpo.{section}.{key}; the old key is read for one more release",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+@dataclass
 class FlowGRPOConfig:
     # flow_grpo (arXiv 2505.05470: an SDE window, the rest ODE) or dance_grpo (arXiv 2505.07818: every step SDE,
     # each sample trains on a random timestep_fraction of steps 0..N-2)
@@ -143,9 +223,6 @@ class FlowGRPOConfig:
     clip_range: float = 1e-3
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0
-    # dance_grpo's KL scale: "verl_omni" divides by the step's noise variance eta^2 (sigma - sigma') (the Gaussian
-    # KL of the two steps, as verl-omni's dance_sde); "flow_grpo" by eta^2 (no dt factor, as flow_grpo's SDE KL)
-    dance_kl: str = "verl_omni"
     recompute_old_log_probs: bool = True
     # an exponential moving average of the trained weights (flow_grpo's train.ema), used for evaluation, sample
     # grids and export: decay min((1 + s) / (10 + s), ema_decay) at optimizer step s, every ema_interval steps
@@ -159,41 +236,24 @@ class FlowGRPOConfig:
     # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
     # kwargs, name}]; the total is the weighted sum (reward_loading.py)
     rewards: list = field(default_factory=list)
-    # DiffusionNFT (arXiv 2509.16117; flowgrpo.algorithm: diffusion_nft; algorithms/diffusion_nft.py), the
-    # reference's defaults (NVlabs/DiffusionNFT config/nft.py): the implicit policies' mix beta (0.1 in its OCR and
-    # multi-reward configs), the old policy's decay schedule (copy | linear_to_0_5 | delayed_linear_to_0_999, its
-    # decay_type 0 | 1 | 2), the fraction of the N timesteps each sample trains, the rollout's solver (dpm2 | euler)
-    nft_beta: float = 1.0
-    nft_decay: str = "linear_to_0_5"
-    nft_timestep_fraction: float = 0.99
-    nft_solver: str = "dpm2"
     # flow_grpo / grpo_guard (Flow-GRPO arXiv 2505.05470, its Fast variant; GRPO-Guard arXiv 2510.22319):
     # which rollout steps are SDE: "window" (window_size of them, ODE elsewhere; every window step trained), "all"
     # (every step; the first int(N * timestep_fraction) trained), "auto" (window for flow_grpo, all for grpo_guard)
     sde_steps: str = "auto"
     per_sample_windows: bool = False  # "window": each sample its own start in window_range (verl-omni's)
-    ratio_norm: bool = True  # grpo_guard: RatioNorm and the 1 / mean(sqrt(-dt))^2 reweighting (false: the plain ratio)
-    # grpo_guard: the ratio's mean-drift bias per sample ("sample", verl-omni) or its micro-batch mean ("batch", as
-    # flow_grpo's script computes it)
-    guard_bias: str = "sample"
-    # MixGRPO (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window of mix_window_size SDE
-    # steps whose start moves with training (mix_strategy), Euler ODE before it, Euler or DPM-Solver++ after it
-    mix_window_size: int = 4  # SDE (and trained) steps per rollout; the window ends before step num_steps - 2
-    mix_strategy: str = "progressive"  # progressive, random, decay, exp_decay: how the window's start moves
-    mix_iters_per_group: int = 25  # iterations between two moves (progressive; exp_decay before its threshold)
-    mix_prog_overlap: bool = False  # move by mix_prog_overlap_step instead of by mix_window_size
-    mix_prog_overlap_step: int = 1  # (the released FLUX script: 1; MixGRPO-Flash*: 0, a window that stays at 0)
-    mix_roll_back: bool = False  # past step num_steps - 2: back to step 0 (true) or stay at the end (false)
-    mix_max_iters_per_group: int = 10  # decay: iterations per move at step 0, falling linearly ...
-    mix_min_iters_per_group: int = 1  # ... to this at step num_steps - 2
-    mix_exp_decay_threshold: int = 13  # exp_decay: iterations per move fall as exp(-k (start - threshold)) past it
-    mix_exp_decay_k: float = 0.1
-    mix_tail_solver: str = "euler"  # after the window: "euler", or "dpmsolver++" (multistep, order 2), fewer steps
-    mix_tail_compress_ratio: float = 0.4  # dpmsolver++: int((num_steps - last window step) * ratio) tail points
-    mix_dpm_solver_type: str = "midpoint"  # dpmsolver++'s second-order form: midpoint or heun
-    mix_kl_coef: float = 0.01  # 0.5 mean((log_prob - old_log_prob)^2) per trained step (the reference's kl_loss)
-    mix_same_noise: bool = False  # the samples of a prompt start from one noise (the reference's init_same_noise)
+    # each algorithm's own keys (flowgrpo.<section>.<key>): read only by that algorithm
+    dance: DanceConfig = field(default_factory=DanceConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    mix: MixConfig = field(default_factory=MixConfig)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FLAT_KEYS:  # an old flat key: the new one, with a warning (for one release)
+            section, key = FLAT_KEYS[name]
+            _warn_flat(f"flowgrpo.{name}")
+            setattr(getattr(self, section), key, value)
+            return
+        super().__setattr__(name, value)
 
 @dataclass
 class RolloutConfig:
@@ -261,7 +321,8 @@ class TrainConfig:
 # ------------------------------------------------------------------------------ values that cannot train
 
 
-def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+def require(ok: bool, key: str, value: Any, rule: str) -> None:
+    """Refuse a value that cannot train: ``ConfigError`` naming the key, the value and the rule."""
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}")
 
@@ -273,7 +334,7 @@ def validate(config: TrainConfig) -> None:
     g, o, t = config.flowgrpo, config.optim, config.train
     finite = math.isfinite
     m = config.model
-    _require(
+    require(
         m.kind in KINDS or m.kind == "",
         "model.kind",
         m.kind,
@@ -281,8 +342,8 @@ def validate(config: TrainConfig) -> None:
     )
     if not (m.kind or m.pipeline or m.pretrained):
         m.kind = TINY_KIND  # no folder to take the family from: the tiny default (a folder's is read at start)
-    _require(t.iterations >= 1, "train.iterations", t.iterations, "train at least 1 iteration")
-    _require(
+    require(t.iterations >= 1, "train.iterations", t.iterations, "train at least 1 iteration")
+    require(
         t.save_every >= 0, "train.save_every", t.save_every, "0 (only at the end) or a positive interval"
     )
     for key, value in (
@@ -293,67 +354,67 @@ def validate(config: TrainConfig) -> None:
         ("flowgrpo.prompts_per_rank", g.prompts_per_rank),
         ("flowgrpo.window_size", g.window_size),
     ):
-        _require(value >= 1, key, value, "must be >= 1")
-    _require(
+        require(value >= 1, key, value, "must be >= 1")
+    require(
         g.group_size >= 2,
         "flowgrpo.group_size",
         g.group_size,
         "must be >= 2: a group of one sample has no relative advantage (every advantage is 0)",
     )
-    _require(g.num_steps >= 2, "flowgrpo.num_steps", g.num_steps, "must be >= 2 denoising steps")
-    _require(
+    require(g.num_steps >= 2, "flowgrpo.num_steps", g.num_steps, "must be >= 2 denoising steps")
+    require(
         g.window_size <= g.num_steps,
         "flowgrpo.window_size",
         g.window_size,
         f"must be <= flowgrpo.num_steps={g.num_steps}",
     )
     # lr = 0 is allowed: a benchmark or a probe may run the update without moving the model
-    _require(finite(o.lr) and o.lr >= 0, "optim.lr", o.lr, "must be a finite number >= 0")
+    require(finite(o.lr) and o.lr >= 0, "optim.lr", o.lr, "must be a finite number >= 0")
     for key, value in (
         ("optim.eps", o.eps),
         ("flowgrpo.noise_level", g.noise_level),
         ("flowgrpo.clip_range", g.clip_range),
     ):
-        _require(finite(value) and value > 0, key, value, "must be a finite number > 0")
+        require(finite(value) and value > 0, key, value, "must be a finite number > 0")
     for key, value in (
         ("optim.weight_decay", o.weight_decay),
         ("flowgrpo.kl_coef", g.kl_coef),
         ("flowgrpo.adv_clip_max", g.adv_clip_max),
     ):
-        _require(finite(value) and value >= 0, key, value, "must be a finite number >= 0")
+        require(finite(value) and value >= 0, key, value, "must be a finite number >= 0")
     # NaN compares false with everything: a NaN max norm would silently turn clipping off
-    _require(
+    require(
         finite(o.max_grad_norm), "optim.max_grad_norm", o.max_grad_norm, "a finite number (<= 0: no clipping)"
     )
-    _require(
+    require(
         finite(g.cfg_scale) and g.cfg_scale >= 1.0,
         "flowgrpo.cfg_scale",
         g.cfg_scale,
         "must be >= 1 (1: no CFG)",
     )
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    _require(0 <= g.ema_decay < 1, "flowgrpo.ema_decay", g.ema_decay, "must be in [0, 1); flow_grpo uses 0.9")
-    _require(g.ema_interval >= 1, "flowgrpo.ema_interval", g.ema_interval, "must be >= 1; flow_grpo uses 8")
+    require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    require(0 <= g.ema_decay < 1, "flowgrpo.ema_decay", g.ema_decay, "must be in [0, 1); flow_grpo uses 0.9")
+    require(g.ema_interval >= 1, "flowgrpo.ema_interval", g.ema_interval, "must be >= 1; flow_grpo uses 8")
     for key, value in (
         ("rollout.gather_params", config.rollout.gather_params),
         ("update.gather_params", config.update.gather_params),
     ):
-        _require(value in GATHER_MODES, key, value, f"one of {', '.join(GATHER_MODES)}")
+        require(value in GATHER_MODES, key, value, f"one of {', '.join(GATHER_MODES)}")
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
-        _require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
-    _require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
+        require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
+    require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
     unknown = [x for x in t.loggers if x not in LOGGERS]
-    _require(not unknown, "train.loggers", t.loggers, f"each one of {', '.join(LOGGERS)} (unknown: {unknown})")
+    require(not unknown, "train.loggers", t.loggers, f"each one of {', '.join(LOGGERS)} (unknown: {unknown})")
     if "wandb" in t.loggers:
         import importlib.util
 
-        _require(
+        require(
             importlib.util.find_spec("wandb") is not None,
             "train.loggers",
             t.loggers,
             "wandb is not installed; fix: pip install 'sp-diffusers[wandb]' (or drop wandb from train.loggers)",
         )
-    _require(
+    require(
         not t.eval_every or bool(config.data.eval),
         "train.eval_every",
         t.eval_every,
@@ -390,6 +451,11 @@ def _merge(obj: Any, data: dict[str, Any], prefix: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if prefix == "flowgrpo." and key in FLAT_KEYS:  # an old flat key: its section's, with a warning
+            section, name = FLAT_KEYS[key]
+            _warn_flat(path)
+            _merge(getattr(obj, section), {name: value}, f"{prefix}{section}.")
+            continue
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=3)
             hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else ""

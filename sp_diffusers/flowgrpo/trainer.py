@@ -1,23 +1,22 @@
-"""The RL loop on top of ``FSDPEngine``: batch -> rollout -> old log-probs -> reward -> advantages -> update.
+"""The RL loop on top of ``FSDPEngine``, one iteration top to bottom (:meth:`FlowGRPOTrainer.train_iteration`):
 
-The loop knows phases, not algorithms: ``flowgrpo.algorithm`` picks an ``Algorithm`` (``algorithms/``: flow_grpo,
-dance_grpo, ...), and the loop asks it what to draw for a batch (its window, its trained steps), which rollout
-steps are stochastic, how rewards become advantages and what one trained step's loss is. With
-``flowgrpo.drop_zero_advantage`` only samples with a non-zero advantage are trained (``algorithms/selection.py``:
-the same count on every dp rank).
+    batch       prompts, their conditioning, the initial noise and the algorithm's plan (``batch.py``)
+    rollout     the denoising run with the algorithm's span of stochastic steps, on weights gathered once
+                (``rollout.gather_params``), classifier-free guidance in one forward (``sampling/``)
+    old policy  the trained steps' log-probs (and step means) recomputed on the update's own micro-batches
+    rewards     scored over the SP group, gathered over data parallelism; group-relative advantages; the
+                zero-advantage filter (``algorithms/selection.py``: the same count on every dp rank)
+    update      mini-batches x micro-batches x trained steps, each the algorithm's loss (``update.py``)
 
-Data parallel ranks draw different prompts; the ranks of one SP group draw the same ones (every random
-choice is seeded by (seed, iteration, dp rank), never by the global rank) and the engine broadcasts the
-batch from the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (TensorBoard, W&B: ``train.loggers``),
+The loop knows phases, not algorithms: ``flowgrpo.algorithm`` picks an ``Algorithm`` (``algorithms/``), and the loop
+asks it for its plan, its span, its advantages and its loss of the inputs it declares.
+
+Data parallel ranks draw different prompts; the ranks of one SP group draw the same ones (every random choice is
+seeded by (seed, iteration, dp rank), never by the global rank) and the engine broadcasts the batch's tensors from
+the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (TensorBoard, W&B: ``train.loggers``),
 ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a restarted run resumes from
-the newest one.
-
-Each iteration's rollout, old log-probs, rewards and advantages: ``collect.py`` (a rollout holds its weights gathered
-and runs classifier-free guidance as one forward: ``sampling/guidance.py``); the policy update: ``update.py``;
-every collective of an iteration is counted by phase and kind (``sp_diffusers.parallel.ledger``) into its metrics
-(``comm/<phase>/<kind>_calls`` and ``_bytes``). Building the parts from the config: ``build.py`` (a pipeline
-folder: ``models/pipeline_io.py``; Wan2.2's experts: ``models/experts.py``); prompts: ``io/data.py``; rewards:
-``rewards/scoring.py``; eval and sample grids: ``io/evaluate.py``; metrics: ``io/metrics.py``.
+the newest one. Every collective of an iteration is counted by phase and kind (``sp_diffusers.parallel.ledger``)
+into its metrics (``comm/<phase>/<kind>_calls`` and ``_bytes``).
 """
 
 from __future__ import annotations
@@ -32,35 +31,36 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineSettings, FSDPEngine
-from ..engine.checkpoint import find_latest
-from ..parallel.devices import to_device
+from ..parallel.devices import fetch_scalars, to_device
 from ..parallel.launch import init_distributed
-from ..parallel.ledger import CommLedger, as_metrics
+from ..parallel.ledger import CommLedger, as_metrics, comm_phase
 from .algorithms.base import StepContext
 from .algorithms.registry import algorithm_for
+from .algorithms.selection import kept_samples
+from .batch import IterationBatch
 from .build import (
     build_text_encoder,
     check_algorithm,
     check_run,
     run_schedule,
 )
-from .collect import collect, gather_dp
 from .config import TrainConfig, validate
 from .io.data import PromptRow, PromptStream, read_prompts
 from .io.evaluate import Evaluator
 from .io.metrics import RunLog
 from .io.run_lock import lock_run_dir
 from .models.adapters import build_adapter
-from .models.conditioning import build_conditioning, with_sources
+from .models.conditioning import PromptEncoder, build_conditioning
 from .models.decode import PixelDecoder
-from .models.experts import ExpertEngines, build_engines, check_expert_steps
+from .models.experts import ExpertEngines, build_engines, check_expert_steps, route
 from .models.pipeline_io import load_vae, resolve_pipeline
 from .models.text import DEFAULT_PROMPTS
 from .rewards.builtin import Reward
-from .rewards.scoring import RewardSet
+from .rewards.scoring import RewardSet, Scorer
+from .sampling.denoise import Sampler, denoise, evaluate_step
 from .sampling.guidance import WeightHolder, gathers_once
-from .sampling.rollout import Trajectory
-from .update import policy_update
+from .sampling.trajectory import Trajectory
+from .update import micro_batches, policy_update
 
 __all__ = ["FlowGRPOTrainer"]
 
@@ -117,13 +117,13 @@ class FlowGRPOTrainer:
             c, self.engine.model, self.text_encoder, self.adapter, train_rows + eval_rows
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
-        # a callable (latents, prompts) -> [B] given here (or set later) replaces the configured rewards
-        self.reward = reward
+        self.prompt_encoder = PromptEncoder(self.text_encoder, self.conditioner, negative=c.flowgrpo.cfg_scale > 1.0)
         vae = load_vae(c)  # model.pipeline's: pixels for rewards and sample grids
         self.decoder = (
             PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
         )
-        self.rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder)
+        # a callable (latents, prompts) -> [B] given here (or set later: trainer.reward) replaces the configured ones
+        self.scorer = Scorer(RewardSet.from_config(c, self.adapter, self.engine, self.decoder), self.adapter.reward_view, reward)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
         if isinstance(self.engine, ExpertEngines):
@@ -134,9 +134,6 @@ class FlowGRPOTrainer:
         # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
         self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
         self.data_base = (0, 0)
-        self.evaluator = Evaluator(
-            self, eval_rows, eval_rows or train_rows or [PromptRow(p) for p in self.prompts]
-        )
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.start_iteration = 0
@@ -144,16 +141,54 @@ class FlowGRPOTrainer:
         self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
         self._update_gather: bool | None = None  # update.gather_params, decided at the first update
         self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
+        self.evaluator = Evaluator(
+            config=c,
+            engine=self.engine,
+            adapter=self.adapter,
+            schedule=self.schedule,
+            prompts=self.prompt_encoder,
+            scorer=self.scorer,
+            weights=self.weight_holder,
+            decoder=self.decoder,
+            rank=self.rank,
+            out_dir=self.out_dir,
+            eval_rows=eval_rows,
+            sample_rows=eval_rows or train_rows or [PromptRow(p) for p in self.prompts],
+        )
         self.algorithm.attach(self.engine)  # what it keeps beside the model (DiffusionNFT: the old policy)
 
     @property
     def history(self) -> list[dict[str, Any]]:
         return self.log.history
 
-    # -------------------------------------------------------------------------------------- batches
+    @property
+    def reward(self) -> Reward | None:
+        """A callable ``(latents, prompts) -> [B]`` that replaces the configured rewards (None: theirs)."""
+        return self.scorer.override
 
-    def iteration_batch(self, iteration: int) -> dict[str, Any]:
-        """Prompts, their ragged embeddings, and the initial noise for this DP rank (same on SP peers)."""
+    @reward.setter
+    def reward(self, fn: Reward | None) -> None:
+        self.scorer.override = fn
+
+    # ---------------------------------------------------------------------------------------- one iteration
+
+    def train_iteration(self, iteration: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        batch = self.iteration_batch(iteration).prepared(self.engine)
+        traj, advantages, old_log_probs, stats = self.collect(batch)
+        metrics = self.update(batch, traj, advantages, old_log_probs)
+        metrics.update(self.algorithm.after_update(self.engine))  # e.g. DiffusionNFT's old-policy decay
+        metrics.update(stats)
+        metrics.update(self.algorithm.iteration_metrics(batch.plan))
+        if self.stream is not None:
+            metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
+        metrics["iteration"] = iteration + 1
+        metrics["seconds"] = time.perf_counter() - start
+        return metrics
+
+    def iteration_batch(self, iteration: int) -> IterationBatch:
+        """Prompts, their ragged conditioning, the initial noise and the algorithm's plan for this DP rank (the
+        same on SP peers), on the host: ``.prepared(engine)`` makes it dense and puts it on the device."""
         g = self.config.flowgrpo
         gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, self.engine.dp_rank))
         if self.stream is not None:
@@ -162,40 +197,26 @@ class FlowGRPOTrainer:
         else:
             picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
             rows = [PromptRow(self.prompts[i]) for i in picks]
-        prompts = [r.prompt for r in rows for _ in range(g.group_size)]
-        batch: dict[str, Any] = {
-            "prompts": prompts,
-            "metadata": [r.metadata for r in rows for _ in range(g.group_size)],
-            **self.encode_rows(rows, prompts),
-            "group_ids": torch.tensor(
-                [
-                    self.engine.dp_rank * g.prompts_per_rank + i
-                    for i in range(g.prompts_per_rank)
-                    for _ in range(g.group_size)
-                ]
-            ),
-            "latents": torch.randn(self.adapter.latent_shape(len(prompts)), generator=gen),
-        }
-        self.algorithm.plan(batch, gen)  # its window, its trained steps (algorithms/)
-        # what moves with training (MixGRPO's window): seeded by the iteration alone, the same on every rank
+        cond, sources = self.prompt_encoder.encode(rows, g.group_size)
+        first_group = self.engine.dp_rank * g.prompts_per_rank
+        batch = IterationBatch(
+            prompts=[r.prompt for r in rows for _ in range(g.group_size)],
+            metadata=[r.metadata for r in rows for _ in range(g.group_size)],
+            cond=cond,
+            group_ids=torch.arange(first_group, first_group + len(rows)).repeat_interleave(g.group_size),
+            latents=torch.randn(self.adapter.latent_shape(len(rows) * g.group_size), generator=gen),
+            source_pixels=sources,
+        )
+        # its window, its trained steps (algorithms/); what moves with training (MixGRPO's window) from a generator
+        # seeded by the iteration alone: the same on every rank
         shared = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, 0x31))
-        self.algorithm.plan_iteration(batch, iteration, shared)
-        batch["sde_seed"] = int(torch.randint(2**62, (1,), generator=gen))
-        batch["shuffle_seed"] = int(torch.randint(2**62, (1,), generator=gen))
-        if g.cfg_scale > 1.0 and self.conditioner is None:
-            batch.update(self.text_encoder.encode_batch([""] * len(prompts), prefix="negative_"))
+        self.algorithm.plan(batch, gen, iteration, shared)
+        batch.sde_seed = int(torch.randint(2**62, (1,), generator=gen))
+        batch.shuffle_seed = int(torch.randint(2**62, (1,), generator=gen))
         if isinstance(self.engine, ExpertEngines):  # every rank trains the same expert at a time
             gen = torch.Generator().manual_seed(_seed(self.config.train.seed, iteration, 0x2E))
             self.algorithm.share_plan(batch, set(self.engine.trainable_steps()), gen)
         return batch
-
-    def encode_rows(self, rows: list[PromptRow], prompts: list[str]) -> dict[str, Any]:
-        """The text of ``prompts`` (each row's prompt repeated over its group); for an image-conditioned family each
-        row's text and condition once, shared by its group, and the empty prompt's for CFG (``conditioning.py``)."""
-        if self.conditioner is None:
-            return self.text_encoder.encode_batch(prompts)
-        repeat = len(prompts) // max(1, len(rows))
-        return self.conditioner.encode(rows, repeat, negative=self.config.flowgrpo.cfg_scale > 1.0)
 
     def data_position(self, iteration: int) -> int:
         """The stream position iteration ``iteration`` starts at (each takes dp x prompts_per_rank prompts)."""
@@ -203,60 +224,113 @@ class FlowGRPOTrainer:
         per_iteration = self.engine.dp_size * self.config.flowgrpo.prompts_per_rank
         return base_position + (iteration - base_iteration) * per_iteration
 
-    def _cond(self, batch: dict[str, Any], index: torch.Tensor | None = None) -> dict[str, Any]:
-        keys = (
-            "prompt_embeds",
-            "prompt_embeds_mask",
-            "negative_prompt_embeds",
-            "negative_prompt_embeds_mask",
-            "pooled_prompt_embeds",
-            "negative_pooled_prompt_embeds",
-        )
-        keys += tuple(k for k in batch if k.startswith("condition_"))  # an image condition (conditioning.py)
-        return {k: (batch[k] if index is None else batch[k][index]) for k in keys if k in batch}
+    def collect(self, batch: IterationBatch) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Rollout and old log-probs ``[B, T]`` (both on weights gathered once: ``rollout.gather_params``), then
+        rewards and advantages ``[B]``, of a prepared batch. Where the loss reads the old policy's step means, they
+        come from where the old log-probs come from: their recomputation, or the rollout itself."""
+        wants = self.algorithm.inputs()
+        recompute = self.config.flowgrpo.recompute_old_log_probs
+        with self.engine.eval_mode(), self.weight_holder() as hold:
+            traj = self.rollout(batch, hold, keep_means=wants.old_means and not recompute)
+            old_log_probs = traj.rollout_log_probs()
+            if wants.old_means and not recompute:
+                traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
+            if recompute and wants.old_log_probs:
+                with comm_phase("old_log_probs"):
+                    old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, wants.old_means)
+        with self.engine.eval_mode(), comm_phase("reward"):
+            advantages, stats = self.advantages(batch, traj)
+        return traj, advantages, old_log_probs.detach(), stats
 
-    # ----------------------------------------------------------------------------------- one iteration
+    def rollout(self, batch: IterationBatch, hold: WeightHolder, keep_means: bool = False) -> Trajectory:
+        """The denoising run of a prepared batch with the algorithm's span by its rollout policy, each step's engine
+        through ``hold``; ``keep_means``: the span's step means stored too."""
+        g, algorithm, plan = self.config.flowgrpo, self.algorithm, batch.plan
+        engine = algorithm.rollout_engine(self.engine)
+        sampler = Sampler(engine, self.adapter, self.schedule, g.cfg_scale, self.config.rollout.cfg_batch, hold)
+        generator = torch.Generator().manual_seed(batch.sde_seed)
+        with comm_phase("rollout"):
+            traj = denoise(
+                sampler,
+                batch.cond,
+                batch.latents,
+                algorithm.span(plan, self.schedule),
+                generator,
+                keep_means,
+                algorithm.final_is_prediction,
+            )
+        if plan.train_steps is not None:  # the algorithm's choice of steps (else the span's: its window)
+            traj.train_steps, traj.host_steps = plan.train_steps, plan.host_steps
+        traj.noise_seed = plan.noise_seed
+        if self.engine.debug_checks:
+            self.engine.verify_sp_consistency({"final_latents": traj.final}, "rollout")
+        return traj
 
-    def collect(
-        self, batch: dict[str, Any]
-    ) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
-        """Rollout, old log-probs ``[B, T]`` (both on weights gathered once: ``rollout.gather_params``), then
-        rewards and advantages ``[B]``, for a prepared batch (``collect.py``)."""
-        return collect(self, batch)
+    def recompute_old_policy(
+        self, batch: IterationBatch, traj: Trajectory, hold: WeightHolder, means: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``([B, T], [B, T, ...] or None)``: each trained step's log-prob under the current policy and (``means``)
+        its step mean, evaluated on the micro-batches the update's first pass trains (``update.micro_batches`` of
+        every sample), so that the first optimizer step's forwards repeat these bit for bit: the on-policy ratio is
+        exactly 1 (where the zero-advantage filter later drops samples the micro-batches differ: fp32 rounding)."""
+        num_trained = traj.steps().shape[1]
+        if num_trained == 0:
+            return traj.rollout_log_probs(), None  # no trained step (an empty window): [B, 0]
+        g = self.config.flowgrpo
+        n = traj.latents.shape[0]
+        log_probs: torch.Tensor | None = None
+        step_means: torch.Tensor | None = None
+        for mini in micro_batches(torch.arange(n), g.mini_batches, g.micro_batch_size, batch.shuffle_seed):
+            for micro in mini:
+                idx = to_device(micro, traj.latents.device)
+                cond = batch.cond_of(idx)
+                for k in range(num_trained):
+                    steps, latents, next_latents = traj.step_latents(idx, k)  # as the update reads them
+                    engine = hold(route(self.engine, traj.host_step(k)))
+                    sampler = Sampler(engine, self.adapter, self.schedule, g.cfg_scale, self.config.rollout.cfg_batch)
+                    step = evaluate_step(sampler, latents, next_latents, steps, cond, self.rule)
+                    if log_probs is None:
+                        log_probs = step.log_prob.new_empty((n, num_trained))
+                    log_probs[idx, k] = step.log_prob
+                    if means:  # kept only when asked: T x the latents otherwise
+                        if step_means is None:
+                            shape = (n, num_trained, *step.prev_sample_mean.shape[1:])
+                            step_means = step.prev_sample_mean.new_empty(shape)
+                        step_means[idx, k] = step.prev_sample_mean
+        assert log_probs is not None
+        return log_probs, step_means
 
-    def weight_holder(self) -> WeightHolder:
-        """Holds a rollout's weights gathered from its first forward to its end where ``rollout.gather_params``
-        chose so (decided once per run, the same on every rank: ``guidance.gathers_once``)."""
-        if self._gather_once is None:
-            self._gather_once = gathers_once(self.config.rollout.gather_params, self.engine)
-        return WeightHolder(self._gather_once)
-
-    def score(
-        self, final: torch.Tensor, batch: dict[str, Any]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The total reward ``[B]`` (float32) of the final latents and each reward's scores (``reward_scoring``;
-        split over the SP group, identical on its ranks), on the latents' device."""
-        if self.reward is not None:
-            return self.reward(self.adapter.reward_view(final), batch["prompts"]).float(), {}
-        metadata = with_sources(batch.get("metadata"), batch.get("source_pixels"), final.shape[0])
-        total, each = self.rewards(final, batch["prompts"], metadata)
-        return to_device(total, final.device), to_device(each, final.device)
-
-    def _update_holds(self) -> bool:
-        """``update.gather_params``, decided at the first update (after a rollout: its activations are freed), the
-        same on every rank (``guidance.gathers_once``)."""
-        if self._update_gather is None:
-            self._update_gather = gathers_once(self.config.update.gather_params, self.engine)
-        return self._update_gather
-
-    def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
-        return gather_dp(self.engine, t)
+    def advantages(self, batch: IterationBatch, traj: Trajectory) -> tuple[torch.Tensor, dict[str, float]]:
+        """The rollout scored, the group-relative advantages ``[B]`` of this rank's samples, the reward statistics;
+        with the zero-advantage filter, ``batch.kept`` (seeded from the batch: SP peers keep the same samples)."""
+        g, engine = self.config.flowgrpo, self.engine
+        rewards, per_reward = self.scorer(traj.final, batch.prompts, batch.metadata, batch.source_pixels)
+        # rewards, advantages and their statistics stay on the device (read once, below)
+        device = traj.latents.device
+        all_groups = engine.gather_dp(to_device(batch.group_ids, device))
+        table = engine.gather_dp(to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))  # [B, 1 + R]
+        all_rewards = table[:, 0].contiguous()
+        advantages_all = self.algorithm.advantages(all_rewards, all_groups)
+        b = rewards.shape[0]
+        advantages = advantages_all[engine.dp_rank * b : (engine.dp_rank + 1) * b]
+        if self.algorithm.drops_zero_advantage():
+            batch.kept = kept_samples(
+                advantages_all, engine.dp_rank, engine.dp_size, g.mini_batches, batch.shuffle_seed + 1
+            )
+        stats = {
+            "reward_mean": all_rewards.mean(),
+            "reward_std": all_rewards.std(correction=0),
+            "zero_advantage_fraction": (advantages_all == 0).double().mean(),
+        }
+        if len(per_reward) > 1 or (per_reward and g.rewards):
+            stats.update({f"reward/{name}": table[:, 1 + j].mean() for j, name in enumerate(per_reward)})
+        return advantages, fetch_scalars(stats)
 
     def update(
-        self, batch: dict[str, Any], traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
+        self, batch: IterationBatch, traj: Trajectory, advantages: torch.Tensor, old_log_probs: torch.Tensor
     ) -> dict[str, float]:
-        """The policy update on one rollout (``update.policy_update``), on ``batch["kept_indices"]`` when
-        ``collect`` chose some (the zero-advantage filter), else on every sample."""
+        """The policy update on one rollout (``update.policy_update``), on ``batch.kept`` where the zero-advantage
+        filter chose some, else on every sample."""
         metrics = policy_update(
             self.engine,
             self.algorithm,
@@ -264,9 +338,9 @@ class FlowGRPOTrainer:
             traj,
             advantages,
             old_log_probs,
-            lambda idx: self._cond(batch, idx),
-            batch["shuffle_seed"],
-            batch.get("kept_indices"),
+            batch.cond_of,
+            batch.shuffle_seed,
+            batch.kept,
             self._update_holds(),
         )
         if metrics["trained_samples"] == 0:  # every advantage 0 on every rank: no step anywhere
@@ -275,25 +349,26 @@ class FlowGRPOTrainer:
             metrics.update({k: 0.0 for k in zero}, ratio_mean=1.0, ratio_std=0.0, lr=lr, step_skipped=1.0)
         return metrics
 
-    def train_iteration(self, iteration: int) -> dict[str, Any]:
-        start = time.perf_counter()
-        # token counts were checked against the SP degree through the adapter (latent layouts differ)
-        batch = self.engine.prepare_batch(self.iteration_batch(iteration))
-        traj, advantages, old_log_probs, stats = self.collect(batch)
-        metrics = self.update(batch, traj, advantages, old_log_probs)
-        metrics.update(self.algorithm.after_update(self.engine))  # e.g. DiffusionNFT's old-policy decay
-        metrics.update(stats)
-        metrics.update(self.algorithm.iteration_metrics(batch))
-        if self.stream is not None:
-            metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
-        metrics["iteration"] = iteration + 1
-        metrics["seconds"] = time.perf_counter() - start
-        return metrics
+    # ----------------------------------------------------------------------------- where the weights live
+
+    def weight_holder(self) -> WeightHolder:
+        """Holds a rollout's weights gathered from its first forward to its end where ``rollout.gather_params``
+        chose so (decided once per run, the same on every rank: ``guidance.gathers_once``)."""
+        if self._gather_once is None:
+            self._gather_once = gathers_once(self.config.rollout.gather_params, self.engine)
+        return WeightHolder(self._gather_once)
+
+    def _update_holds(self) -> bool:
+        """``update.gather_params``, decided at the first update (after a rollout: its activations are freed), the
+        same on every rank (``guidance.gathers_once``)."""
+        if self._update_gather is None:
+            self._update_gather = gathers_once(self.config.update.gather_params, self.engine)
+        return self._update_gather
 
     # ------------------------------------------------------------------------------------------- loop
 
     def _resume(self) -> None:
-        latest = getattr(self.engine, "find_latest", find_latest)  # two experts: one root each
+        latest = self.engine.find_latest  # two experts: one root each
         if not self.config.train.resume or latest(self.ckpt_dir) is None:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)

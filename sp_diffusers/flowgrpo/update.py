@@ -2,9 +2,10 @@
 
 For each shuffled mini-batch (one optimizer step) the engine accumulates, over its micro-batches and the T
 trained steps of each (the algorithm's: FlowGRPO's W window steps, DanceGRPO's per-sample subsets), the gradient
-of the algorithm's step loss ``/ (micro-batches x T)``: the mean over the mini-batch and the trained steps, as
-flow_grpo, DanceGRPO (``/ (gradient_accumulation_steps * train_timesteps)``) and verl-omni average it. The loss
-is ``Algorithm.step_loss``; nothing here knows which algorithm runs.
+of the algorithm's loss ``/ (micro-batches x T)``: the mean over the mini-batch and the trained steps, as
+flow_grpo, DanceGRPO (``/ (gradient_accumulation_steps * train_timesteps)``) and verl-omni average it. Each trained
+step runs the model here (:func:`evaluate_trained_step`, on what ``Algorithm.inputs`` declares) and hands the
+result to ``Algorithm.loss``; nothing here knows which algorithm runs.
 
 ``indices`` restricts the update to some samples (``selection.kept_samples``: the zero-advantage filter); every
 data-parallel rank must pass the same number, so they all run the same micro-batches and optimizer steps (FSDP's
@@ -20,13 +21,15 @@ from typing import Any
 
 import torch
 
-from ..engine import FSDPEngine
+from ..engine.protocols import TrainingEngine
 from ..parallel.devices import fetch_scalars, to_device
-from .algorithms.base import Algorithm, StepContext
+from ..parallel.ledger import comm_phase
+from .algorithms.base import Algorithm, StepContext, StepInputs, Targets
 from .models.experts import route
-from .sampling.rollout import Trajectory
+from .sampling.denoise import evaluate_step, velocity
+from .sampling.trajectory import Trajectory
 
-__all__ = ["micro_batches", "policy_update"]
+__all__ = ["evaluate_trained_step", "micro_batches", "policy_update", "step_loss"]
 
 CondFn = Callable[[torch.Tensor], dict[str, Any]]  # sample indices -> the text conditioning of those samples
 
@@ -40,8 +43,79 @@ def micro_batches(indices: torch.Tensor, mini_batches: int, micro_batch_size: in
     return [mini.split(micro_batch_size) for mini in perm.chunk(mini_batches)]
 
 
+def evaluate_trained_step(
+    engine: TrainingEngine, algorithm: Algorithm, ctx: StepContext, traj: Trajectory, k: int, idx: torch.Tensor, cond: dict
+) -> StepInputs:
+    """The k-th trained step of samples ``idx`` under ``engine``'s policy, as ``algorithm.inputs()`` declares it:
+    the stored SDE transition's log-prob and step mean (and the adapters-off reference's mean), or the velocities at
+    the final data noised to the step's sigma (the policy's, the old policy's, the reference's)."""
+    wants = algorithm.inputs()
+    if wants.evaluation == "forward_process":
+        x0 = traj.final[idx].float()
+        steps = traj.steps()[idx, k]
+        schedule = ctx.schedule.on(x0.device)
+        t = schedule.sigmas[steps].to(x0.dtype)
+        timestep = schedule.timesteps[steps]
+        tt = t.reshape(-1, *([1] * (x0.ndim - 1)))
+        x_t = (1.0 - tt) * x0 + tt * algorithm.forward_noise(traj, k, idx)
+
+        def v_of(e: Any) -> torch.Tensor:
+            return velocity(e, ctx.adapter, x_t, timestep, cond)  # the forward process trains without guidance
+
+        with torch.no_grad(), comm_phase("old_log_probs"):  # the old policy's pass
+            v_old = v_of(algorithm.rollout_engine(engine))
+        v = v_of(engine)
+        v_ref = None
+        if wants.reference:
+            with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
+                v_ref = v_of(engine)
+        return StepInputs(steps, x0=x0, x_t=x_t, t=t, v=v, v_old=v_old, v_ref=v_ref)
+    steps, latents, next_latents = traj.step_latents(idx, k)
+    sampler = ctx.sampler(engine)
+    step = evaluate_step(sampler, latents, next_latents, steps, cond, ctx.rule)
+    # the schedule's copy on the device, indexed there: the (per-sample) steps never travel to the host
+    sigmas = ctx.schedule.on(steps.device).sigmas.to(step.std_dev_t.dtype)
+    ref = None
+    if wants.reference:
+        with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
+            ref = evaluate_step(sampler, latents, next_latents, steps, cond, ctx.rule).prev_sample_mean
+    return StepInputs(
+        steps,
+        log_prob=step.log_prob,
+        prev_sample_mean=step.prev_sample_mean,
+        std_dev_t=step.std_dev_t,
+        sqrt_dt=torch.sqrt(sigmas[steps] - sigmas[steps + 1]),
+        ref_prev_sample_mean=ref,
+    )
+
+
+def step_loss(
+    engine: Any,
+    _batch: Any = None,
+    *,
+    algorithm: Algorithm,
+    ctx: StepContext,
+    traj: Trajectory,
+    k: int,
+    idx: torch.Tensor,
+    cond: dict,
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    normalizer: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One trained step's loss and metrics, in the ``loss_fn(engine, batch)`` form ``forward_backward`` takes: the
+    step evaluated (:func:`evaluate_trained_step`), the targets the rollout fixed, ``algorithm.loss``."""
+    wants = algorithm.inputs()
+    targets = Targets(
+        advantages[idx],
+        old_log_probs[idx, k] if wants.old_log_probs else None,
+        traj.old_step_means(idx, k) if wants.old_means else None,
+    )
+    return algorithm.loss(evaluate_trained_step(engine, algorithm, ctx, traj, k, idx, cond), targets, normalizer)
+
+
 def policy_update(
-    engine: FSDPEngine,
+    engine: TrainingEngine,
     algorithm: Algorithm,
     ctx: StepContext,
     traj: Trajectory,
@@ -78,7 +152,8 @@ def policy_update(
                     cond = cond_of(idx)
                     for k in range(num_trained):
                         loss_fn = functools.partial(
-                            algorithm.step_loss,
+                            step_loss,
+                            algorithm=algorithm,
                             ctx=ctx,
                             traj=traj,
                             k=k,
@@ -89,7 +164,8 @@ def policy_update(
                             normalizer=normalizer,
                         )
                         # two experts: the one that runs this step (the same on every rank: experts.py)
-                        for key, value in route(engine, traj.host_step(k)).forward_backward(None, loss_fn).items():
+                        expert = route(engine, traj.host_step(k))
+                        for key, value in expert.forward_backward(None, loss_fn).items():
                             if isinstance(value, float) or (torch.is_tensor(value) and value.numel() == 1):
                                 sums[key] = sums.get(key, 0.0) + value
                         count += 1

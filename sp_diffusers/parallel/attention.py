@@ -369,9 +369,9 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
                 attn_mask = (torch.arange(k.shape[1], device=q.device)[None, :] <= rows[:, None])[None, None]
                 is_causal = False
         if ulysses > 1 and ring == 1 and q.device.type == "cpu":
-            # SDPA's CPU kernel runs ~1.2% faster (copy included, S = 4096) on [B, H, S, D]-contiguous q/k/v than
-            # on the strided views of the receive buffer: its K/V blocks are then contiguous. Not on CUDA, whose
-            # fused kernels read [B, S, H, D] rows as they are.
+            # SDPA's CPU kernel is faster, the copy included, on [B, H, S, D]-contiguous q/k/v than on the strided
+            # views of the receive buffer (docs/benchmarks.md). Not on CUDA, whose fused kernels read [B, S, H, D]
+            # rows as they are.
             q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         out = local_sdpa_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, kv_heads != heads)
     if ulysses > 1:

@@ -33,10 +33,9 @@ from .gathers import uniform as _uniform
 
 __all__ = ["heads_to_seq", "release_buffers", "seq_to_heads", "split_sizes", "to_all_to_all_order"]
 
-# Send buffers are reused on CPU: a fresh multi-MB buffer page-faults on its first write, which made the
-# packing copy cost ~2.5x the all-to-all itself on gloo (8 ms vs 3 ms at S=4096, H=8, D=64). A send
-# buffer is free again as soon as the (synchronous) collective returns. CUDA's caching allocator already
-# recycles memory, so there every buffer is a plain torch.empty.
+# Send buffers are reused on CPU: a fresh multi-MB buffer page-faults on its first write, which costs more than
+# the all-to-all itself on gloo (docs/benchmarks.md). A send buffer is free again as soon as the (synchronous)
+# collective returns. CUDA's caching allocator already recycles memory, so there every buffer is a torch.empty.
 _SEND_BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 

@@ -28,7 +28,7 @@ from ..parallel.agreement import (
     rank_agreement,
 )
 from ..parallel.cp_groups import cp_groups
-from .patches._base import AttributeSwaps
+from .swaps import AttributeSwaps
 
 __all__ = ["install", "is_installed", "split_name", "uninstall"]
 

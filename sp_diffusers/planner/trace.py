@@ -172,14 +172,14 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
     gradients creates them first, as a job's first step does)."""
     import sp_diffusers
 
-    from ..parallel import exchange as comm
+    from ..parallel.exchange import release_buffers
 
     sp_diffusers.install()
     counts = dict(req.blocks)
     quiet = logging.getLogger("diffusers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
-    getattr(comm, "release_buffers", lambda: None)()
+    release_buffers()
     # diffusers' hooks keep a model in reference cycles: what an earlier run left is freed now, not by a
     # collection in the middle of this run's trace, and this run's model is freed before it returns
     gc.collect()

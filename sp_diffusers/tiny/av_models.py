@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .specs import TinyKind, accepted_config, register, text_mask
+from .specs import InputRequest, TinyKind, accepted_config, register, text_mask
 
 
 def _mask(batch: int, text_len: int, g: torch.Generator, ragged: bool) -> torch.Tensor:
@@ -38,17 +38,8 @@ def _ltx_config() -> dict[str, Any]:
     )
 
 
-def _ltx_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    per_token_timestep: bool = False,
-) -> dict[str, Any]:
+def _ltx_inputs(model: torch.nn.Module, r: InputRequest, per_token_timestep: bool = False) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, ragged_text = r
     cfg = model.config
     tokens = frames * image_hw[0] * image_hw[1]
     return dict(
@@ -89,17 +80,9 @@ def _ltx2_config() -> dict[str, Any]:
 
 
 def _ltx2_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    per_token_timestep: bool = False,
-    audio_len: int = 6,
+    model: torch.nn.Module, r: InputRequest, per_token_timestep: bool = False, audio_len: int = 6
 ) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, ragged_text = r
     cfg = model.config
     tokens = frames * image_hw[0] * image_hw[1]
     return dict(
@@ -139,17 +122,8 @@ def _minimax_h3_config() -> dict[str, Any]:
     )
 
 
-def _minimax_h3_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    audio_len: int = 6,
-) -> dict[str, Any]:
+def _minimax_h3_inputs(model: torch.nn.Module, r: InputRequest, audio_len: int = 6) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, _ = r
     cfg = model.config
     # One packed document [text | video | audio] shared by the batch rows (position_ids is (S, 3)): text at a
     # clean level (timestep 0), video and audio at one noise level, as a text-to-video+audio request packs it.

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..patching.compat import diffusers_version
-from .specs import TinyKind, accepted_config, register, text_mask
+from .specs import InputRequest, TinyKind, accepted_config, register, text_mask
 
 
 def _qwenimage_config() -> dict[str, Any]:
@@ -25,18 +25,11 @@ def _qwenimage_config() -> dict[str, Any]:
 
 
 def _qwenimage_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    condition_hw: tuple[tuple[int, int], ...] = (),
+    model: torch.nn.Module, r: InputRequest, condition_hw: tuple[tuple[int, int], ...] = ()
 ) -> dict[str, Any]:
     """``condition_hw``: the latent (H, W) of each condition image (Qwen-Image-Edit: their packed tokens follow the
     noisy ones in ``hidden_states``, each its own entry of ``img_shapes``)."""
+    g, t, batch, text_len, image_hw, _, ragged_text = r
     cfg = model.config
     h, w = image_hw[0] // cfg.patch_size, image_hw[1] // cfg.patch_size
     grids = [(1, h, w), *((1, ch // cfg.patch_size, cw // cfg.patch_size) for ch, cw in condition_hw)]
@@ -72,18 +65,11 @@ def _flux_config() -> dict[str, Any]:
 
 
 def _flux_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    condition_hw: tuple[tuple[int, int], ...] = (),
+    model: torch.nn.Module, r: InputRequest, condition_hw: tuple[tuple[int, int], ...] = ()
 ) -> dict[str, Any]:
     """``condition_hw``: the packed grid of a condition image (FLUX.1 Kontext: its tokens follow the noisy ones, ids
     ``(1, row, column)``)."""
+    g, t, batch, text_len, image_hw, _, _ = r
     cfg = model.config
 
     def ids(h: int, w: int, first: float) -> torch.Tensor:
@@ -124,16 +110,8 @@ def _sd3_config() -> dict[str, Any]:
     )
 
 
-def _sd3_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _sd3_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, _, ragged_text = r
     cfg = model.config
     # SD3 has no text mask of its own: with ragged_text the padded keys are masked through
     # joint_attention_kwargs, which sp_diffusers' SD3 processor honours (diffusers' own ignores it).
@@ -169,16 +147,8 @@ def _flux2_config() -> dict[str, Any]:
     )
 
 
-def _flux2_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _flux2_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, _, _ = r
     cfg = model.config
     h, w = image_hw
     img_ids = torch.zeros(h, w, 4)
@@ -216,16 +186,8 @@ def _zimage_config() -> dict[str, Any]:
     )
 
 
-def _zimage_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _zimage_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, _, ragged_text = r
     cfg = model.config
     # Per-sample lists: latents [C, 1, H, W] and captions [L_i, cap_feat_dim]. The model pads every item to a
     # multiple of 32 tokens itself; a ragged batch gives samples of different padded lengths (and so the batch

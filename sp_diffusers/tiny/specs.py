@@ -5,13 +5,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..families.kinds import model_class
 
 __all__ = [
+    "InputRequest",
     "TinyKind",
     "accepted_config",
     "register",
@@ -22,12 +23,23 @@ __all__ = [
 ]
 
 
+class InputRequest(NamedTuple):
+    """What a kind's input builder is asked for: the generator, the timesteps ``[B]`` in [0, 1000), the batch, the
+    (padded) text length, the latent height/width before patching, the frames, a ragged text mask or a full one."""
+
+    g: torch.Generator
+    t: torch.Tensor
+    batch: int
+    text_len: int
+    image_hw: tuple[int, int]
+    frames: int
+    ragged_text: bool
+
+
 @dataclass(frozen=True)
 class TinyKind:
     config: Callable[[], dict[str, Any]]  # the constructor kwargs
-    # (model, generator, timesteps [B] in [0, 1000), batch, text_len, image_hw, frames, ragged_text,
-    #  **options) -> kwargs
-    inputs: Callable[..., dict[str, Any]]
+    inputs: Callable[..., dict[str, Any]]  # (model, InputRequest, **options) -> kwargs
     options: tuple[str, ...] = ()  # the kind's own input options (e.g. "per_token_timestep"), passed by name
 
 
@@ -106,7 +118,7 @@ def tiny_inputs(
     g = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
     t = torch.rand(batch, generator=g) * 1000.0
-    inputs = tiny.inputs(model, g, t, batch, text_len, image_hw, frames, ragged_text, **options)
+    inputs = tiny.inputs(model, InputRequest(g, t, batch, text_len, image_hw, frames, ragged_text), **options)
     return {k: _cast(v, dtype) for k, v in inputs.items()}
 
 

@@ -137,43 +137,26 @@ def tiny_umt5(seed: int = 1234, d_model: int = 32, num_layers: int = 2):
     return tokenizer, _seeded(seed, lambda: UMT5EncoderModel(config)).eval()
 
 
-def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
-    """``Qwen2_5_VLForConditionalGeneration`` (Qwen-Image's text encoder), ``hidden`` wide, one text layer."""
+def qwen25vl(seed: int, hidden: int, vocab: int, max_positions: int, vision: dict | None = None, **ids: int) -> Any:
+    """A tiny ``Qwen2_5_VLForConditionalGeneration``: one text layer ``hidden`` wide, one vision block of 4-pixel
+    patches merged 2 x 2 (``vision``: more of its config), special token ids ``ids`` beside bos 1, eos 2, pad 0."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     heads = 2
     half = hidden // heads // 2  # mrope sections cover half a head (t, h, w)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(WORDS),
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=1,
-            num_attention_heads=heads,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
-            rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=hidden,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=1,
-            fullatt_block_indexes=[0],
-            window_size=8,
-        ),
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    tokens = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1)
+    text.update(num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=max_positions, **tokens)
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    tower = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden, patch_size=4)
+    tower.update(spatial_merge_size=2, temporal_patch_size=1, fullatt_block_indexes=[0], window_size=8, **(vision or {}))
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=tower, **tokens, **ids)
     return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
+
+
+def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
+    """``Qwen2_5_VLForConditionalGeneration`` (Qwen-Image's text encoder), ``hidden`` wide, one text layer."""
+    return qwen25vl(seed, hidden, len(WORDS), 2048)
 
 
 def tiny_autoencoder_kl(seed: int, latent_channels: int, scaling: float, shift: float) -> Any:

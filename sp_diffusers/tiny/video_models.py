@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .specs import TinyKind, register, text_mask
+from .specs import InputRequest, TinyKind, register, text_mask
 
 
 def _cogvideox_rope(cfg: Any, frames: int, image_hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,20 +38,12 @@ def _wan_config() -> dict[str, Any]:
 
 
 def _wan_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    first_frame_timestep: bool = False,
-    clip_tokens: int = 5,
+    model: torch.nn.Module, r: InputRequest, first_frame_timestep: bool = False, clip_tokens: int = 5
 ) -> dict[str, Any]:
     """Image-to-video follows the config: ``in_channels`` holds the condition channels (Wan I2V), ``image_dim`` adds
     ``clip_tokens`` CLIP image tokens (Wan2.1 I2V: 257); ``first_frame_timestep``: Wan2.2 TI2V's per-token timesteps ``[B, N]``, 0 on the first latent
     frame."""
+    g, t, batch, text_len, image_hw, frames, _ = r
     cfg = model.config
     inputs = dict(
         hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),
@@ -89,16 +81,8 @@ def _hunyuanvideo_config() -> dict[str, Any]:
     )
 
 
-def _hunyuanvideo_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _hunyuanvideo_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, ragged_text = r
     cfg = model.config
     # [B, C, F, H, W] latents; the (ragged) text mask is the model's own encoder_attention_mask
     mask = text_mask(batch, text_len, g) if ragged_text else torch.ones(batch, text_len, dtype=torch.bool)
@@ -137,16 +121,8 @@ def _hunyuanvideo15_config() -> dict[str, Any]:
     )
 
 
-def _hunyuanvideo15_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _hunyuanvideo15_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, ragged_text = r
     cfg = model.config
     # three context streams, each with its own key mask: the MLLM prompt, the byT5 glyph prompt and the image
     # tokens (all-zero image embeds are how the pipeline says text-to-video: their mask is then all False)
@@ -186,16 +162,8 @@ def _cogvideox_config() -> dict[str, Any]:
     )
 
 
-def _cogvideox_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _cogvideox_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, ragged_text = r
     cfg = model.config
     # [B, F, C, H, W] latents; CogVideoX has no text mask (with ragged_text the padded keys are masked
     # through attention_kwargs, which sp_diffusers' CogVideoX processor honours and diffusers' ignores)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .text_parts import WORDS, _seeded
+from .text_parts import WORDS, _seeded, qwen25vl
 
 __all__ = [
     "QWEN_VL_SPECIAL",
@@ -85,47 +85,9 @@ def save_qwen_vl_processor(processor: Any, folder: Any) -> Any:
 def tiny_qwen25vl_vision(seed: int, hidden: int = 32) -> Any:
     """``Qwen2_5_VLForConditionalGeneration`` reading text and images (``tiny_qwen_vl_processor``'s tokens), ``hidden``
     wide: one text layer, one vision block of 4-pixel patches merged 2 x 2."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    heads = 2
-    half = hidden // heads // 2  # mrope sections cover half a head (t, h, w)
-    vocab = len(WORDS) + len(QWEN_VL_SPECIAL)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=2 * hidden,
-            num_hidden_layers=1,
-            num_attention_heads=heads,
-            num_key_value_heads=1,
-            max_position_embeddings=4096,
-            rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=hidden,
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=1,
-            fullatt_block_indexes=[0],
-            window_size=8,
-            in_chans=3,
-        ),
-        image_token_id=_token_id("<|image_pad|>"),
-        video_token_id=_token_id("<|video_pad|>"),
-        vision_start_token_id=_token_id("<|vision_start|>"),
-        vision_end_token_id=_token_id("<|vision_end|>"),
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
+    names = ("image_pad", "video_pad", "vision_start", "vision_end")
+    ids = {f"{n.removesuffix('_pad')}_token_id": _token_id(f"<|{n}|>") for n in names}
+    return qwen25vl(seed, hidden, len(WORDS) + len(QWEN_VL_SPECIAL), 4096, {"in_chans": 3}, **ids)
 
 
 def tiny_clip_vision(seed: int, hidden: int = 16) -> tuple[Any, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .specs import TinyKind, register
+from .specs import InputRequest, TinyKind, register
 
 
 def _wan_like(**extra: Any) -> dict[str, Any]:
@@ -33,16 +33,9 @@ def _chronoedit_config() -> dict[str, Any]:
 
 
 def _chronoedit_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    per_token_timestep: bool = False,
+    model: torch.nn.Module, r: InputRequest, per_token_timestep: bool = False
 ) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, _ = r
     cfg = model.config
     inputs = dict(
         hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),
@@ -62,16 +55,8 @@ def _wanvace_config() -> dict[str, Any]:
     return _wan_like(rope_max_seq_len=32, vace_layers=[0, 1], vace_in_channels=8)
 
 
-def _wanvace_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-) -> dict[str, Any]:
+def _wanvace_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, _ = r
     cfg = model.config
     return dict(
         hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),
@@ -104,17 +89,8 @@ def _helios_config() -> dict[str, Any]:
     )
 
 
-def _helios_inputs(
-    model: torch.nn.Module,
-    g: torch.Generator,
-    t: torch.Tensor,
-    batch: int,
-    text_len: int,
-    image_hw: tuple[int, int],
-    frames: int,
-    ragged_text: bool,
-    history: bool = True,
-) -> dict[str, Any]:
+def _helios_inputs(model: torch.nn.Module, r: InputRequest, history: bool = True) -> dict[str, Any]:
+    g, t, batch, text_len, image_hw, frames, _ = r
     cfg = model.config
     inputs: dict[str, Any] = dict(
         hidden_states=torch.randn(batch, cfg.in_channels, frames, *image_hw, generator=g),

@@ -65,8 +65,15 @@ def _config(
     c.train.out_dir = out_dir or tempfile.mkdtemp()
     c.train.progress = False
     c.train.plot = False
-    for k, v in flowgrpo.items():
-        setattr(c.flowgrpo, k, v)
+    for k, v in flowgrpo.items():  # an algorithm's section: mix={"window_size": 2}, or "mix.window_size"=2
+        if isinstance(v, dict):
+            for key, value in v.items():
+                setattr(getattr(c.flowgrpo, k), key, value)
+        elif "." in k:
+            section, key = k.split(".")
+            setattr(getattr(c.flowgrpo, section), key, v)
+        else:
+            setattr(c.flowgrpo, k, v)
     return c
 
 
@@ -96,30 +103,37 @@ def _global_data(trainer) -> dict:
     return {"prompts": prompts, "latents": latents, "advantages": advantages, "delta": delta}
 
 
+def update_batch(trainer, prompts: list[str], shuffle_seed: int):
+    """A prepared batch of ``prompts`` for an update on a trajectory made by hand (no rollout: no noise, no plan)."""
+    from sp_diffusers.flowgrpo.batch import IterationBatch
+
+    n = len(prompts)
+    cond = trainer.text_encoder.encode_batch(prompts)
+    return IterationBatch(prompts, cond, torch.arange(n), torch.zeros(n), shuffle_seed=shuffle_seed).prepared(
+        trainer.engine
+    )
+
+
 def _my_batch(trainer, data: dict) -> tuple[dict, object, torch.Tensor, torch.Tensor]:
-    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory, evaluate_window_step
+    from sp_diffusers.flowgrpo.sampling.denoise import Sampler, evaluate_step
+    from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
 
     engine = trainer.engine
     n = G // engine.dp_size
     sl = slice(engine.dp_rank * n, (engine.dp_rank + 1) * n)
     prompts = data["prompts"][sl]
-    batch = engine.prepare_batch(
-        {"prompts": prompts, **trainer.text_encoder.encode_batch(prompts), "shuffle_seed": 7}
-    )
+    batch = update_batch(trainer, prompts, shuffle_seed=7)
     traj = Trajectory(data["latents"][sl].to(engine.device), torch.zeros(n, W), 1, data["latents"][sl, -1])
     with engine.eval_mode():
         current = torch.stack(
             [
-                evaluate_window_step(
-                    engine,
-                    trainer.adapter,
+                evaluate_step(
+                    Sampler(engine, trainer.adapter, trainer.schedule),
                     traj.latents[:, k],
                     traj.latents[:, k + 1],
-                    trainer.schedule,
                     traj.window_start + k,
-                    trainer._cond(batch),
+                    batch.cond,
                     trainer.rule,
-                    1.0,
                 ).log_prob
                 for k in range(W)
             ],
@@ -183,9 +197,9 @@ def on_policy_and_rollout(rank: int, world: int, sp: int) -> dict:
             sp, False, recompute_old_log_probs=False, prompts_per_rank=2, group_size=2, micro_batch_size=4
         )
     )
-    batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+    batch = trainer.iteration_batch(0).prepared(trainer.engine)
     traj, adv, old, stats = trainer.collect(batch)
-    lengths = [int(m.sum()) for m in batch["prompt_embeds_mask"]]
+    lengths = [int(m.sum()) for m in batch.cond["prompt_embeds_mask"]]
     metrics = trainer.update(batch, traj, adv, old)
     return {
         "ratio_mean": metrics["ratio_mean"],
@@ -193,7 +207,7 @@ def on_policy_and_rollout(rank: int, world: int, sp: int) -> dict:
         "ppo_kl": metrics["ppo_kl"],
         "clipfrac": metrics["clipfrac"],
         "text_lengths": lengths,
-        "padded_len": batch["prompt_embeds"].shape[1],
+        "padded_len": batch.cond["prompt_embeds"].shape[1],
         "final": traj.final.cpu(),
         "log_probs": traj.log_probs.cpu(),
         "reward_mean": stats["reward_mean"],
@@ -240,22 +254,22 @@ def divergent_batches(rank: int, world: int) -> dict:
     config.parallel.debug_checks = True
     trainer = _trainer(config)
     batch = trainer.iteration_batch(0)
-    batch["latents"] = batch["latents"] + rank  # rank-dependent: a data loader keyed on the global rank
+    batch.latents = batch.latents + rank  # rank-dependent: a data loader keyed on the global rank
     try:
-        trainer.engine.prepare_batch(batch)
+        batch.prepared(trainer.engine)
         raised = None
     except SPDivergenceError as err:
         raised = str(err)
     extra = trainer.iteration_batch(0)
     if rank == 1:
-        extra["reference_latents"] = extra["latents"].clone()  # a key only one peer has
+        extra.cond["reference_latents"] = extra.latents.clone()  # a key only one peer has
     try:
-        trainer.engine.prepare_batch(extra)
+        extra.prepared(trainer.engine)
         extra_key = None
     except SPDivergenceError as err:
         extra_key = str(err)
     same = trainer.iteration_batch(0)
-    trainer.engine.prepare_batch(same)  # identical batches pass
+    same.prepared(trainer.engine)  # identical batches pass
     dist.barrier()
     return {"raised": raised, "extra_key": extra_key}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.workers.engine_steps import _config, _full, _quiet, _trainer
+from tests.workers.engine_steps import _config, _full, _quiet, _trainer, update_batch
 
 G = 8  # samples (dp 1 in every layout here: the micro-batches, and so the guard's micro-batch means, are the same)
 W = 2
@@ -45,12 +45,11 @@ def _guard_batch(trainer, data: dict):
     plus the step's noise, so log-probs are O(1) as a rollout's: off-policy random latents make them O(100) and their
     fp32 rounding would dominate the comparison), and the old policy's log-probs and means set from the current
     policy's, so that every normalised ratio lands at 1 + its target."""
-    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory, evaluate_window_step
+    from sp_diffusers.flowgrpo.sampling.denoise import Sampler, evaluate_step
+    from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
 
     engine = trainer.engine
-    batch = engine.prepare_batch(
-        {"prompts": data["prompts"], **trainer.text_encoder.encode_batch(data["prompts"]), "shuffle_seed": 7}
-    )
+    batch = update_batch(trainer, data["prompts"], shuffle_seed=7)
     starts = torch.tensor(STARTS, device=engine.device)
     latents = data["latents"].to(engine.device).clone()
     traj = Trajectory(
@@ -66,9 +65,8 @@ def _guard_batch(trainer, data: dict):
 
     def evaluate(k):
         steps, x, nxt = traj.step_latents(everyone, k)
-        step = evaluate_window_step(
-            engine, trainer.adapter, x, nxt, trainer.schedule, steps, trainer._cond(batch), trainer.rule, 1.0
-        )
+        sampler = Sampler(engine, trainer.adapter, trainer.schedule)
+        step = evaluate_step(sampler, x, nxt, steps, batch.cond, trainer.rule)
         return step, step.std_dev_t * torch.sqrt(sigmas[steps] - sigmas[steps + 1])  # this row's S
 
     old, means = [], []
@@ -124,7 +122,7 @@ def guard_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
     ):
         keys = {"micro_batch_size": 8, **keys}
         fresh = _trainer(_guard_config(sp, ring, prompts_per_rank=2, group_size=4, **keys))
-        fresh_batch = fresh.engine.prepare_batch(fresh.iteration_batch(0))
+        fresh_batch = fresh.iteration_batch(0).prepared(fresh.engine)
         traj, adv, old, _ = fresh.collect(fresh_batch)
         m = fresh.update(fresh_batch, traj, adv, old)
         out["on_policy"][name] = {

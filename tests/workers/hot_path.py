@@ -89,9 +89,7 @@ class Recorder(TorchDispatchMode):
 @contextlib.contextmanager
 def recording(rec: Recorder):
     """Count collectives, metadata exchanges and host syncs while the block runs."""
-    from sp_diffusers.parallel import agreement as forward_scope
-    from sp_diffusers.parallel import agreement as handshake
-    from sp_diffusers.parallel import attention, cp_groups
+    from sp_diffusers.parallel import agreement, attention, cp_groups
     from sp_diffusers.patching import scope_hooks
     from sp_diffusers.patching.backend_registration import BACKEND_NAME
 
@@ -124,7 +122,7 @@ def recording(rec: Recorder):
 
         return wrapped
 
-    for module in (handshake, forward_scope, cp_groups):
+    for module in (agreement, cp_groups):
         swap(module, "gather_ints", meta(module.gather_ints))
 
     def host_read(fn, name):
@@ -136,7 +134,7 @@ def recording(rec: Recorder):
 
     def closing(scope):
         rec.add("scope", even=scope.even)
-        return forward_scope.pop(scope)
+        return agreement.pop(scope)
 
     swap(scope_hooks, "pop", closing)
 

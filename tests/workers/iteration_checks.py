@@ -4,6 +4,7 @@ ledger as the number of steps and CFG change. Each function returns plain data; 
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import torch
@@ -23,7 +24,7 @@ def _kind_config(sp: int, kind: str, **flowgrpo):
 
 def _collect(trainer, batch, gather: bool, cfg_batch: bool) -> dict:
     trainer._gather_once, trainer.config.rollout.cfg_batch = gather, cfg_batch
-    traj, adv, old, stats = trainer.collect(dict(batch))
+    traj, adv, old, stats = trainer.collect(dataclasses.replace(batch))
     return {
         "final": traj.final.cpu(),
         "log_probs": traj.log_probs.cpu(),
@@ -38,8 +39,8 @@ def _branch_diffs(trainer, batch) -> dict[str, float]:
     from sp_diffusers.flowgrpo.sampling.guidance import paired
 
     engine, adapter = trainer.engine, trainer.adapter
-    cond = trainer._cond(batch)
-    x, t = batch["latents"].float(), trainer.schedule.timesteps[0]
+    cond = batch.cond
+    x, t = batch.latents.float(), trainer.schedule.timesteps[0]
     names = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds")
 
     def forward(x, text, prefix=""):
@@ -63,7 +64,7 @@ def rollout_modes(rank: int, world: int, sp: int, kinds: list[str]) -> dict:
     out: dict = {}
     for kind in kinds:
         trainer = _trainer(_kind_config(sp, kind, cfg_scale=4.0))
-        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+        batch = trainer.iteration_batch(0).prepared(trainer.engine)
         ref = _collect(trainer, batch, gather=False, cfg_batch=False)
         diffs = {}
         for gather in (False, True):
@@ -76,8 +77,8 @@ def rollout_modes(rank: int, world: int, sp: int, kinds: list[str]) -> dict:
         out[kind] = {
             "diffs": diffs,
             "branches": _branch_diffs(trainer, batch),
-            "text_lengths": (batch["prompt_embeds"].shape[1], batch["negative_prompt_embeds"].shape[1]),
-            "ragged": len({int(m.sum()) for m in batch["prompt_embeds_mask"]}) > 1,
+            "text_lengths": (batch.cond["prompt_embeds"].shape[1], batch.cond["negative_prompt_embeds"].shape[1]),
+            "ragged": len({int(m.sum()) for m in batch.cond["prompt_embeds_mask"]}) > 1,
         }
     return out
 
@@ -105,8 +106,8 @@ def iteration_ledgers(rank: int, world: int, sp: int, kind: str, runs: dict[str,
             # again on the same batch: the steady state, where an uneven text length's layouts are known (the first
             # forward with a new length learns them once: a few small gathers, ``parallel/agreement.py``)
             trainer.train_iteration(0)
-        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
-        text = [batch[k].shape[1] for k in ("prompt_embeds", "negative_prompt_embeds") if k in batch]
+        batch = trainer.iteration_batch(0).prepared(trainer.engine)
+        text = [batch.cond[k].shape[1] for k in ("prompt_embeds", "negative_prompt_embeds") if k in batch.cond]
         out[name] = {
             "ledger": {f"{p}/{k}": v for (p, k), v in first.items()},
             "steady": {f"{p}/{k}": v for (p, k), v in ledger.take().items()},
@@ -138,7 +139,7 @@ def frozen_expert(rank: int, world: int, folder: str) -> dict:
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
-    batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+    batch = trainer.iteration_batch(0).prepared(trainer.engine)
     traj, *_ = trainer.collect(batch)
     return {
         "unsharded": [n for n, p in frozen.model.named_parameters() if not hasattr(p, "to_local")][:10],

@@ -8,18 +8,7 @@ from tests.workers.engine_steps import _config, _full, _global_data, _my_batch, 
 # the 1-step-at-a-time window of 2 at step 0 of 10 shifted-linspace steps: L = 1, a tail of int(9 * 0.4) = 3 points
 # (one second-order step, one to 0); a KL weight large enough that its gradient (10 * delta, delta <= 3e-3, per
 # trained step) is a visible part of the update
-MIX = dict(
-    algorithm="mix_grpo",
-    shift=3.0,
-    num_steps=10,
-    noise_level=0.7,
-    mix_window_size=2,
-    mix_tail_solver="dpmsolver++",
-    mix_kl_coef=10.0,
-    recompute_old_log_probs=False,
-    prompts_per_rank=2,
-    group_size=2,
-)
+MIX = dict(algorithm="mix_grpo", shift=3.0, num_steps=10, noise_level=0.7, recompute_old_log_probs=False, prompts_per_rank=2, group_size=2, mix=dict(window_size=2, tail_solver="dpmsolver++", kl_coef=10.0))
 
 
 def mix_grpo_step(rank: int, world: int, sp: int, ring: int) -> dict:
@@ -31,10 +20,10 @@ def mix_grpo_step(rank: int, world: int, sp: int, ring: int) -> dict:
     engine, g = trainer.engine, trainer.config.flowgrpo
     out: dict = {"dp_rank": engine.dp_rank, "sp_rank": engine.sp_rank}
 
-    batch = engine.prepare_batch(trainer.iteration_batch(0))  # (a)
+    batch = trainer.iteration_batch(0).prepared(engine)  # (a)
     traj, _, _, stats = trainer.collect(batch)
     out.update(
-        window=(batch["window_start"], batch["window_size"]),
+        window=(batch.plan.window_start, batch.plan.window_size),
         final=traj.final.cpu(),
         log_probs=traj.log_probs.cpu(),
         reward_mean=stats["reward_mean"],
@@ -68,13 +57,13 @@ def mix_grpo_step(rank: int, world: int, sp: int, ring: int) -> dict:
     )
 
     g.micro_batch_size = g.prompts_per_rank * g.group_size  # (c): the training forward is the rollout's
-    batch = engine.prepare_batch(trainer.iteration_batch(1))
+    batch = trainer.iteration_batch(1).prepared(engine)
     traj, adv, old, _ = trainer.collect(batch)
     metrics = trainer.update(batch, traj, adv, old)
     out["on_policy"] = {
         k: metrics.get(k)
         for k in ("ratio_mean", "ratio_std", "ppo_kl", "clipfrac", "kl_loss", "trained_samples")
     }
-    out["on_policy"]["window"] = (batch["window_start"], batch["window_size"], traj.latents.shape[1])
-    out["cur_timesteps"] = trainer.algorithm.iteration_metrics(batch)["cur_timesteps"]
+    out["on_policy"]["window"] = (batch.plan.window_start, batch.plan.window_size, traj.latents.shape[1])
+    out["cur_timesteps"] = trainer.algorithm.iteration_metrics(batch.plan)["cur_timesteps"]
     return out

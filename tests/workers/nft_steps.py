@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.workers.engine_steps import _config, _full, _quiet, _trainer
+from tests.workers.engine_steps import _config, _full, _quiet, _trainer, update_batch
 
 G = 4  # samples (4 prompts; dp 1 in every layout here)
 STEPS = 6  # schedule steps: each sample trains int(6 * 0.99) = 5 of them
@@ -33,24 +33,22 @@ def nft_step(rank: int, world: int, sp: int, ring: int, lora: bool) -> dict:
     step) on fixed data, then the old policy's decay; with LoRA the KL to the adapters-off model is on."""
     _quiet()
     import sp_diffusers
-    from sp_diffusers.flowgrpo.sampling.rollout import Trajectory
+    from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
 
     config = _config(sp, lora, ring=ring, algorithm="diffusion_nft", num_steps=STEPS, kl_coef=0.1 if lora else 0.0)
     config.flowgrpo.prompts_per_rank, config.flowgrpo.group_size = 2, 2
     trainer = _trainer(config)
     engine = trainer.engine
     # the rollout: the old policy samples with the dpm2 solver; only the final data is kept
-    batch = engine.prepare_batch(trainer.iteration_batch(0))
+    batch = trainer.iteration_batch(0).prepared(engine)
     traj, _, old_lp, stats = trainer.collect(batch)
     rollout = {"final": traj.final.cpu(), "stored": tuple(traj.latents.shape), "old_lp": old_lp.abs().max().item()}
     # the update on layout-independent data
     data = _data(trainer)
-    batch = engine.prepare_batch(
-        {"prompts": data["prompts"], **trainer.text_encoder.encode_batch(data["prompts"]), "shuffle_seed": 7}
-    )
+    batch = update_batch(trainer, data["prompts"], shuffle_seed=7)
     x0 = data["x0"].to(engine.device)
     traj = Trajectory(x0.new_zeros((G, 0, *x0.shape[1:])), x0.new_zeros((G, 0)), 0, x0)
-    traj.train_steps, traj.extras = data["steps"].to(engine.device), {"noise_seed": 11}
+    traj.train_steps, traj.noise_seed = data["steps"].to(engine.device), 11
     before_old = _old_params(trainer)
     captured: dict = {}
     original_step = engine.optimizer_step

@@ -22,8 +22,15 @@ def _config(sp: int, **flowgrpo):
     c.flowgrpo.recompute_old_log_probs = False  # old log-probs from the rollout itself: the ratio must be 1
     c.flowgrpo.reward = "video_color"
     c.train.out_dir, c.train.progress, c.train.plot = tempfile.mkdtemp(), False, False
-    for k, v in flowgrpo.items():
-        setattr(c.flowgrpo, k, v)
+    for k, v in flowgrpo.items():  # an algorithm's section: mix={"window_size": 2}, or "mix.window_size"=2
+        if isinstance(v, dict):
+            for key, value in v.items():
+                setattr(getattr(c.flowgrpo, k), key, value)
+        elif "." in k:
+            section, key = k.split(".")
+            setattr(getattr(c.flowgrpo, section), key, v)
+        else:
+            setattr(c.flowgrpo, k, v)
     return c
 
 
@@ -51,7 +58,7 @@ def algorithms(rank: int, world: int, sp: int) -> dict:
         if name == "cps":
             config.text.encoder = "byte"
         trainer = _trainer(config)
-        batch = trainer.engine.prepare_batch(trainer.iteration_batch(0))
+        batch = trainer.iteration_batch(0).prepared(trainer.engine)
         traj, adv, old, _ = trainer.collect(batch)
         metrics = trainer.update(batch, traj, adv, old)
         out[name] = {
@@ -61,7 +68,7 @@ def algorithms(rank: int, world: int, sp: int) -> dict:
             "clipfrac": metrics["clipfrac"],
             "grad_norm": metrics["grad_norm"],
             "trained_steps": traj.steps().shape[1],
-            "text_lengths": [int(m.sum()) for m in batch["prompt_embeds_mask"]],
+            "text_lengths": [int(m.sum()) for m in batch.cond["prompt_embeds_mask"]],
             "dp_rank": trainer.engine.dp_rank,
             "final": traj.final.cpu(),
             "log_probs": traj.log_probs.cpu(),
@@ -87,9 +94,9 @@ def zero_advantage_filter(rank: int, world: int, sp: int) -> dict:
 
     trainer.reward = reward
     first = trainer.train_iteration(0)
-    batch = trainer.engine.prepare_batch(trainer.iteration_batch(1))
+    batch = trainer.iteration_batch(1).prepared(trainer.engine)
     kept_check = trainer.collect(batch)[3]
-    kept = batch["kept_indices"].tolist()
+    kept = batch.kept.tolist()
     step_after_first = trainer.engine.global_step
     before = {n: _full(p) for n, p in trainer.engine.model.named_parameters()}
     trainer.reward = lambda latents, prompts: torch.full((latents.shape[0],), 0.25)

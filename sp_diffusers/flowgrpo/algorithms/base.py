@@ -1,58 +1,104 @@
-"""The seam between the training loop and an RL algorithm: what the loop asks of an algorithm at each phase.
+"""The seam between the training loop and an RL algorithm: an algorithm is a loss plus its choices.
 
 An algorithm is one module with one :class:`Algorithm` subclass (``algorithms/registry.py`` names them for
-``flowgrpo.algorithm``). The loop (``trainer.py``, ``collect.py``, ``update.py``), the engine and the data and
-reward I/O call these methods and never name an algorithm:
+``flowgrpo.algorithm``). The loop (``trainer.py``, ``update.py``) runs the model; it asks the algorithm:
 
     config       ``check`` (its own keys), ``schedule_kind`` (``flowgrpo.schedule: auto``), ``step_rule``
-    batch        ``plan``: what the iteration's generator draws for it (a window start, the steps to train), on
-                 the host, the same on the ranks of an SP group; ``plan_iteration``: what depends on the iteration
-                 itself, the same on every rank (a window that moves with training); ``share_plan``: the same on
-                 every rank where two experts need it (``models/experts.py``)
-    lifecycle    ``attach``: once the engine is built, and again after a checkpoint is loaded (state the algorithm keeps
-                 beside the trained model, such as DiffusionNFT's old policy); ``after_update``: after an
-                 iteration's optimizer steps
-    rollout      ``span`` (which steps are stochastic, for every sample or per sample; the rest are ODE),
-                 ``ode_solver`` (the solver of the rest: Euler unless it says otherwise), ``tail`` (or DPM-Solver++ on
-                 fewer steps after the span), ``rollout_engine`` (the policy that samples), ``store`` (what the update
-                 reads beyond the span, kept on the trajectory), ``final_is_prediction`` (the reward reads the last
-                 predicted data, not the last latent) and ``keeps_old_means`` (the old policy's step means are stored
-                 beside its log-probs: ``traj.old_means``)
+    batch        ``plan``: its choices for the iteration (a window start, the steps to train), drawn on the host,
+                 the same on the ranks of an SP group; ``share_plan``: the same on every rank where two experts
+                 need it (``models/experts.py``); ``iteration_metrics``: the choices as metrics
+    rollout      ``span``: which steps are stochastic and how the others step (``sampling.denoise.Span``);
+                 ``rollout_engine`` (the policy that samples); ``final_is_prediction`` (the rewards read the last
+                 predicted data)
     advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``drops_zero_advantage``
-    update       ``step_loss``: the loss of one trained step of some samples from the stored rollout and the current
-                 policy, in the form ``FSDPEngine.forward_backward`` takes, with its metrics; ``uses_log_probs``:
-                 whether it reads the rollout's (old) log-probs, which the loop then computes
-    metrics      ``iteration_metrics``: the iteration's choices (where its window is)
+    update       ``inputs``: what the loop evaluates for a trained step (:class:`Inputs`: the stored step's log-prob
+                 under the policy, or the velocities at noised data; the old log-probs and step means; the
+                 reference policy); ``loss``: a pure function of the evaluated :class:`StepInputs` and the fixed
+                 :class:`Targets`, with its metrics
+    lifecycle    ``attach`` (once the engine is built, and after a checkpoint is loaded: state kept beside the
+                 trained model, such as DiffusionNFT's old policy); ``after_update``
 
 The base class is the Flow-GRPO family's shared part: the clipped ratio objective of a stored SDE step, with the
-optional KL to the adapters-off reference. A new algorithm subclasses it and overrides what differs; its
-reference test holds its formulas to the reference code's in fp64 (``tests/test_flowgrpo_reference_checks.py``).
+optional KL to the adapters-off reference. A new algorithm subclasses it and overrides what differs; its reference
+test holds its formulas to the reference code's in fp64.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ...parallel.ledger import comm_phase
+from ..batch import IterationBatch, StepPlan
 from ..config import ConfigError, TrainConfig
-from ..sampling.dpm import DPMTail
-from ..sampling.rollout import Trajectory, evaluate_window_step
+from ..sampling.denoise import Sampler, Span
 from ..sampling.sde import StepRule
 from .advantages import group_advantages
 from .loss import flowgrpo_loss
 
-__all__ = ["Algorithm", "StepContext"]
+__all__ = ["Algorithm", "Inputs", "StepContext", "StepInputs", "Targets"]
 
 
 class StepContext:
-    """What a step loss reads beside the samples: the adapter, schedule, step rule and config of the run."""
+    """What evaluating a trained step reads beside the samples: the adapter, schedule, step rule and config of the
+    run."""
 
     def __init__(self, adapter: Any, schedule: Any, rule: StepRule, config: TrainConfig) -> None:
         self.adapter, self.schedule, self.rule, self.config = adapter, schedule, rule, config
         self.g = config.flowgrpo
         self.cfg_batch = config.rollout.cfg_batch
+
+    def sampler(self, engine: Any) -> Sampler:
+        """``engine``'s policy as the rollout samples it (the run's guidance, no held weights)."""
+        return Sampler(engine, self.adapter, self.schedule, self.g.cfg_scale, self.cfg_batch)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What an algorithm's loss reads, declared: the loop computes these and nothing else.
+
+    ``evaluation``: ``"sde_step"`` (the stored transition's log-prob and step mean under the policy) or
+    ``"forward_process"`` (the policy's and the old policy's velocities at the final data noised to the trained
+    step's sigma: DiffusionNFT). ``old_log_probs``: the rollout policy's log-prob of each trained step (recomputed
+    by the actor, or the rollout's own); ``old_means``: its step means beside them. ``reference``: the
+    adapters-off policy at the same inputs (a KL term)."""
+
+    evaluation: str = "sde_step"
+    old_log_probs: bool = True
+    old_means: bool = False
+    reference: bool = False
+
+
+@dataclass
+class StepInputs:
+    """One trained step of a micro-batch as the loop evaluated it (the policy's side of the loss; ``[b]`` or
+    ``[b, ...]``). ``sde_step``: ``log_prob``, ``prev_sample_mean``, ``std_dev_t`` and ``sqrt_dt`` (the step's
+    ``sqrt(sigma - sigma')``), ``ref_prev_sample_mean``; ``forward_process``: ``x0``, ``x_t``, ``t`` (the sigma),
+    ``v`` (with the gradient), ``v_old``, ``v_ref``. ``steps``: each sample's schedule step."""
+
+    steps: torch.Tensor
+    log_prob: torch.Tensor | None = None
+    prev_sample_mean: torch.Tensor | None = None
+    std_dev_t: torch.Tensor | None = None
+    sqrt_dt: torch.Tensor | None = None
+    ref_prev_sample_mean: torch.Tensor | None = None
+    x0: torch.Tensor | None = None
+    x_t: torch.Tensor | None = None
+    t: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    v_old: torch.Tensor | None = None
+    v_ref: torch.Tensor | None = None
+
+
+@dataclass
+class Targets:
+    """What the rollout and the rewards fixed for the same samples: ``advantages [b]``, and as declared by
+    :class:`Inputs` the old log-probs ``[b]`` and the old step means ``[b, ...]``."""
+
+    advantages: torch.Tensor
+    old_log_prob: torch.Tensor | None = None
+    old_prev_sample_mean: torch.Tensor | None = None
 
 
 class Algorithm:
@@ -61,7 +107,6 @@ class Algorithm:
     name: ClassVar[str] = ""
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
-    uses_log_probs: ClassVar[bool] = True  # a ratio to the rollout's log-probs (False: none stored, none recomputed)
     default_timestep_fraction: ClassVar[float] = 0.99  # flowgrpo.timestep_fraction: 0 -> this (the reference's)
 
     def __init__(self, config: TrainConfig) -> None:
@@ -81,20 +126,22 @@ class Algorithm:
         return StepRule(self.g.sde_type, self.g.noise_level)
 
     # ------------------------------------------------------------------------------------------- batch
-    def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
-        """Draw this iteration's choices into ``batch`` from ``gen`` (seeded by the iteration and the dp rank)."""
+    def plan(self, batch: IterationBatch, gen: torch.Generator, iteration: int, shared: torch.Generator) -> None:
+        """Draw this iteration's choices into ``batch.plan``: from ``gen`` (seeded by the iteration and the dp rank) what
+        may differ across data-parallel ranks, from ``shared`` (the iteration's alone) what must not (a window that
+        moves as training goes on)."""
 
-    def plan_iteration(self, batch: dict[str, Any], iteration: int, gen: torch.Generator) -> None:
-        """Draw into ``batch`` what depends on the training iteration (a window that moves as training goes on),
-        from ``gen`` seeded by the iteration alone: the same on every rank. Default: nothing."""
-
-    def share_plan(self, batch: dict[str, Any], trainable: set[int], gen: torch.Generator) -> None:
+    def share_plan(self, batch: IterationBatch, trainable: set[int], gen: torch.Generator) -> None:
         """Redraw the choices from ``gen`` (the iteration's alone) among the ``trainable`` schedule steps, the same on
         every rank: two experts are sharded over every rank, which must run the same one at a time."""
         raise ConfigError(f"flowgrpo.algorithm={self.name!r} does not train a two-expert model yet")
 
     def check_trainable(self, trainable: set[int], owners: dict[int, str], trained: list[str]) -> None:
         """Refuse a run whose trained steps never reach a trained expert (two experts)."""
+
+    def iteration_metrics(self, plan: StepPlan) -> dict[str, float]:
+        """This iteration's choices as metrics (e.g. where its window is). Default: none."""
+        return {}
 
     # --------------------------------------------------------------------------------------- lifecycle
     def attach(self, engine: Any) -> None:
@@ -106,41 +153,13 @@ class Algorithm:
         return {}
 
     # ----------------------------------------------------------------------------------------- rollout
-    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int | list[int], int]:
-        """``(start, size)``: the rollout's stochastic steps (their latents and log-probs are stored); ``start`` a
-        host list of one start per sample when each sample has its own window (``sampling/rollout.py``)."""
-        return int(batch["window_start"]), self.g.window_size
-
-    def ode_solver(self) -> Any:
-        """A fresh solver (``step(x, v, sigmas, i) -> x'``) for one rollout's deterministic steps; None: Euler
-        (``sampling.sde.ode_step``)."""
-        return None
+    def span(self, plan: StepPlan, schedule: Any) -> Span:
+        """The rollout's stochastic steps (their latents and log-probs are stored) and how the others step."""
+        return Span(plan.window_start, self.g.window_size, self.step_rule())
 
     def rollout_engine(self, engine: Any) -> Any:
         """The engine whose policy samples the rollout (the trained one: on-policy)."""
         return engine
-
-    def store(self, traj: Trajectory, batch: dict[str, Any]) -> None:
-        """Keep in ``traj.extras`` what ``step_loss`` reads beyond the span (here: nothing)."""
-
-    def drops_zero_advantage(self) -> bool:
-        """Whether samples of advantage 0 are left out of the update (``flowgrpo.drop_zero_advantage``: with a
-        ratio objective their gradient is 0)."""
-        return self.g.drop_zero_advantage
-
-    def keeps_old_means(self) -> bool:
-        """Whether the loss reads the old policy's step means (``traj.old_means`` ``[B, T, ...]``, beside the old
-        log-probs: from their recomputation, or stored by the rollout when they are not recomputed)."""
-        return False
-
-    def tail(self, batch: dict[str, Any], schedule: Any) -> DPMTail | None:
-        """The solver of the steps after the span: None, Euler ODE steps on the schedule; a ``DPMTail``,
-        DPM-Solver++ on its compressed sigmas (``sampling/dpm.py``)."""
-        return None
-
-    def iteration_metrics(self, batch: dict[str, Any]) -> dict[str, float]:
-        """This iteration's choices as metrics (e.g. where its window is). Default: none."""
-        return {}
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -148,52 +167,38 @@ class Algorithm:
         1e-4, clamped)."""
         return group_advantages(rewards, groups, std="batch", eps=1e-4, clip=self.g.adv_clip_max, correction=0)
 
+    def drops_zero_advantage(self) -> bool:
+        """Whether samples of advantage 0 are left out of the update (``flowgrpo.drop_zero_advantage``: with a
+        ratio objective their gradient is 0)."""
+        return self.g.drop_zero_advantage
+
     # ------------------------------------------------------------------------------------------ update
-    def kl_std(self, std_dev_t: torch.Tensor, schedule: Any, steps: torch.Tensor) -> torch.Tensor:
+    def inputs(self) -> Inputs:
+        """What :meth:`loss` reads (the loop evaluates these; the reference pass only where a KL term asks)."""
+        return Inputs(reference=self.g.kl_coef > 0)
+
+    def kl_std(self, step: StepInputs) -> torch.Tensor:
         """The ``[b]`` std the KL term divides by (flow_grpo: the step's ``std_dev_t``, no ``dt`` factor)."""
-        return std_dev_t
+        assert step.std_dev_t is not None
+        return step.std_dev_t
 
-    def step_loss(
-        self,
-        engine: Any,
-        _batch: Any,
-        *,
-        ctx: StepContext,
-        traj: Trajectory,
-        k: int,
-        idx: torch.Tensor,
-        cond: dict[str, Any],
-        advantages: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        normalizer: float,
+    def loss(
+        self, step: StepInputs, targets: Targets, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped policy loss (+ KL to the adapters-off reference) of the k-th trained step of samples ``idx``
-        (the ``loss_fn`` form ``FSDPEngine.forward_backward`` takes; the engine's batch argument is unused)."""
-        g = ctx.g
-        steps, latents, next_latents = traj.step_latents(idx, k)
-
-        def evaluate():
-            return evaluate_window_step(
-                engine, ctx.adapter, latents, next_latents, ctx.schedule, steps, cond, ctx.rule, g.cfg_scale,
-                ctx.cfg_batch,
-            )
-
-        step = evaluate()
+        """The clipped policy loss (+ KL to the adapters-off reference) of one trained step, ``/ normalizer``."""
         kl_args = {}
-        if g.kl_coef > 0:
-            with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
-                ref = evaluate()  # the reference policy: the base model, adapters off
+        if self.g.kl_coef > 0:
             kl_args = dict(
                 prev_sample_mean=step.prev_sample_mean,
-                ref_prev_sample_mean=ref.prev_sample_mean,
-                std_dev_t=self.kl_std(step.std_dev_t, ctx.schedule, steps),
+                ref_prev_sample_mean=step.ref_prev_sample_mean,
+                std_dev_t=self.kl_std(step),
             )
         return flowgrpo_loss(
             step.log_prob,
-            old_log_probs[idx, k],
-            advantages[idx],
-            clip_range=g.clip_range,
+            targets.old_log_prob,
+            targets.advantages,
+            clip_range=self.g.clip_range,
             normalizer=normalizer,
-            kl_coef=g.kl_coef,
+            kl_coef=self.g.kl_coef,
             **kl_args,
         )

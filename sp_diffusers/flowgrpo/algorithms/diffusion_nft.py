@@ -1,22 +1,22 @@
 """DiffusionNFT (arXiv 2509.16117; NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py``; verl-omni's
 ``DiffusionNFTLoss``): online RL on the forward process. No stochastic step, no likelihood, no ratio.
 
-Collect: the OLD policy samples every step deterministically, without CFG (``flowgrpo.nft_solver``: the
+Collect: the OLD policy samples every step deterministically, without CFG (``flowgrpo.nft.solver``: the
 reference's ``dpm2`` or Euler), and only the final data ``x0`` is kept. Rewards become optimality probabilities:
 
     A = (R - mean_prompt(R)) / (std_batch(R) + 1e-4)             (population std of every dp rank's rewards)
     r = clamp(clip(A, -C, C) / C / 2 + 1/2, 0, 1)                 C = flowgrpo.adv_clip_max (5)
 
-Train: each sample on its own random ``int(N * flowgrpo.nft_timestep_fraction)`` of the N schedule steps, each
+Train: each sample on its own random ``int(N * flowgrpo.nft.timestep_fraction)`` of the N schedule steps, each
 with fresh noise, ``t`` the step's sigma (the reference's ``timestep / 1000``):
 
     x_t = (1 - t) x0 + t eps;   v = v_theta(x_t),  v_old (old policy, no grad),  v_ref (adapters off, no grad)
-    v+  = beta v + (1 - beta) v_old            v-  = (1 + beta) v_old - beta v       (beta = flowgrpo.nft_beta)
+    v+  = beta v + (1 - beta) v_old            v-  = (1 + beta) v_old - beta v       (beta = flowgrpo.nft.beta)
     x0+- = x_t - t v+-,   w+- = stopgrad(mean |x0+- - x0|) clamped >= 1e-5,   L+- = mean((x0+- - x0)^2) / w+-
     loss = mean_batch(C (r L+ + (1 - r) L-) / beta) + kl_coef * mean((v - v_ref)^2)
 
 After the iteration's optimizer steps the old policy moves toward the trained one:
-``old <- d old + (1 - d) theta``, ``d = old_policy.old_policy_decay(optimizer step, flowgrpo.nft_decay)``.
+``old <- d old + (1 - d) theta``, ``d = old_policy.old_policy_decay(optimizer step, flowgrpo.nft.decay)``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from ...parallel.devices import to_device
-from ...parallel.ledger import comm_phase
+from ..batch import IterationBatch, StepPlan
 from ..config import ConfigError, TrainConfig
+from ..sampling.denoise import Span
 from ..sampling.dpm_solver import DPMSolver2
-from ..sampling.rollout import Trajectory, velocity
-from .base import Algorithm, StepContext
+from ..sampling.trajectory import Trajectory
+from .base import Algorithm, Inputs, StepInputs, Targets
 from .old_policy import DECAY_SCHEDULES, OldPolicy, old_policy_decay
 
 __all__ = ["NFT_SOLVERS", "DiffusionNFT", "nft_loss", "reward_prob"]
@@ -78,7 +79,7 @@ def nft_loss(
     if t.shape != (x0.shape[0],) or r.shape != t.shape:
         raise ValueError(f"nft_loss: t {tuple(t.shape)} and r {tuple(r.shape)} must be [b] = [{x0.shape[0]}]")
     if not beta > 0:
-        raise ValueError(f"nft_loss: beta={beta!r} must be > 0 (flowgrpo.nft_beta; the reference uses 1.0 or 0.1)")
+        raise ValueError(f"nft_loss: beta={beta!r} must be > 0 (flowgrpo.nft.beta; the reference uses 1.0 or 0.1)")
     if kl_coef > 0 and v_ref is None:
         raise ValueError("nft_loss: kl_coef > 0 needs v_ref (the adapters-off velocity); pass it or kl_coef=0")
     dims = tuple(range(1, x0.ndim))
@@ -130,7 +131,6 @@ def _step_seed(seed: int, k: int) -> int:
 
 class DiffusionNFT(Algorithm):
     name = "diffusion_nft"
-    uses_log_probs = False
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)
@@ -139,24 +139,24 @@ class DiffusionNFT(Algorithm):
     @classmethod
     def check(cls, config: TrainConfig) -> None:
         g = config.flowgrpo
-        if not (isinstance(g.nft_beta, (int, float)) and math.isfinite(g.nft_beta) and g.nft_beta > 0):
+        if not (isinstance(g.nft.beta, (int, float)) and math.isfinite(g.nft.beta) and g.nft.beta > 0):
             raise ConfigError(
-                f"flowgrpo.nft_beta={g.nft_beta!r} must be a finite number > 0 (DiffusionNFT uses 1.0; 0.1 for OCR "
+                f"flowgrpo.nft.beta={g.nft.beta!r} must be a finite number > 0 (DiffusionNFT uses 1.0; 0.1 for OCR "
                 "and multi-reward)"
             )
-        if g.nft_decay not in DECAY_SCHEDULES:
+        if g.nft.decay not in DECAY_SCHEDULES:
             raise ConfigError(
-                f"flowgrpo.nft_decay={g.nft_decay!r}: choose one of {', '.join(DECAY_SCHEDULES)} (DiffusionNFT's "
+                f"flowgrpo.nft.decay={g.nft.decay!r}: choose one of {', '.join(DECAY_SCHEDULES)} (DiffusionNFT's "
                 "decay_type 0, 1, 2; its default is linear_to_0_5, delayed_linear_to_0_999 for OCR)"
             )
-        if g.nft_solver not in NFT_SOLVERS:
+        if g.nft.solver not in NFT_SOLVERS:
             raise ConfigError(
-                f"flowgrpo.nft_solver={g.nft_solver!r}: choose 'dpm2' (DiffusionNFT's 2nd-order DPM-Solver on the "
+                f"flowgrpo.nft.solver={g.nft.solver!r}: choose 'dpm2' (DiffusionNFT's 2nd-order DPM-Solver on the "
                 "predicted data) or 'euler'"
             )
-        if not (0 < g.nft_timestep_fraction <= 1) or int(g.num_steps * g.nft_timestep_fraction) < 1:
+        if not (0 < g.nft.timestep_fraction <= 1) or int(g.num_steps * g.nft.timestep_fraction) < 1:
             raise ConfigError(
-                f"flowgrpo.nft_timestep_fraction={g.nft_timestep_fraction!r} x flowgrpo.num_steps={g.num_steps} "
+                f"flowgrpo.nft.timestep_fraction={g.nft.timestep_fraction!r} x flowgrpo.num_steps={g.num_steps} "
                 "must train at least one step, with the fraction in (0, 1]; DiffusionNFT uses 0.99"
             )
         if g.cfg_scale != 1.0:
@@ -172,7 +172,7 @@ class DiffusionNFT(Algorithm):
 
     # ---------------------------------------------------------------------------------------- lifecycle
     def attach(self, engine: Any) -> None:
-        if hasattr(engine, "experts"):
+        if engine.num_experts > 1:
             raise ConfigError(
                 "flowgrpo.algorithm='diffusion_nft' does not train a two-expert model yet (its old policy is one "
                 "engine); fix: model.pipeline with one transformer, or flowgrpo.algorithm=flow_grpo"
@@ -183,7 +183,7 @@ class DiffusionNFT(Algorithm):
             self.old.copy()  # after a checkpoint load: old = theta, as the reference's resume loads one LoRA twice
 
     def after_update(self, engine: Any) -> dict[str, float]:
-        decay = old_policy_decay(engine.global_step, self.g.nft_decay)
+        decay = old_policy_decay(engine.global_step, self.g.nft.decay)
         self._old().blend(decay)
         return {"old_policy_decay": decay}
 
@@ -194,78 +194,49 @@ class DiffusionNFT(Algorithm):
 
     # ------------------------------------------------------------------------------------------ batch
     def _count(self) -> int:
-        return int(self.g.num_steps * self.g.nft_timestep_fraction)
+        return int(self.g.num_steps * self.g.nft.timestep_fraction)
 
-    def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
+    def plan(self, batch: IterationBatch, gen: torch.Generator, iteration: int, shared: torch.Generator) -> None:
         # per sample a random subset (a permutation's first T) of the N schedule steps, as the reference's perms_time
         n, count = self.g.num_steps, self._count()
-        batch["window_start"] = 0
-        batch["train_steps"] = torch.stack([torch.randperm(n, generator=gen)[:count] for _ in batch["prompts"]])
-        batch["nft_noise_seed"] = int(torch.randint(2**62, (1,), generator=gen))
+        batch.plan.window_start = 0
+        batch.plan.train_steps = torch.stack([torch.randperm(n, generator=gen)[:count] for _ in range(len(batch))])
+        batch.plan.noise_seed = int(torch.randint(2**62, (1,), generator=gen))
 
     # ---------------------------------------------------------------------------------------- rollout
-    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int, int]:
-        return 0, 0  # every step deterministic
-
-    def ode_solver(self) -> Any:
-        return DPMSolver2() if self.g.nft_solver == "dpm2" else None
+    def span(self, plan: StepPlan, schedule: Any) -> Span:
+        # every step deterministic, by a fresh solver per rollout (dpm2 keeps the previous step's prediction)
+        return Span(0, 0, solver=DPMSolver2() if self.g.nft.solver == "dpm2" else None)
 
     def rollout_engine(self, engine: Any) -> Any:
         return self._old().engine
-
-    def store(self, traj: Trajectory, batch: dict[str, Any]) -> None:
-        traj.extras["noise_seed"] = batch["nft_noise_seed"]
 
     def drops_zero_advantage(self) -> bool:
         return False  # r = 1/2 still trains (and regularises toward the old policy): the reference keeps every sample
 
     # ----------------------------------------------------------------------------------------- update
-    def noise(self, traj: Trajectory, k: int, idx: torch.Tensor) -> torch.Tensor:
+    def inputs(self) -> Inputs:
+        """The velocities at the final data noised to each trained step's sigma: the policy's, the old policy's
+        (the rollout engine's) and, for the KL, the adapters-off one's; no log-probs."""
+        return Inputs(evaluation="forward_process", old_log_probs=False, reference=self.g.kl_coef > 0)
+
+    def forward_noise(self, traj: Trajectory, k: int, idx: torch.Tensor) -> torch.Tensor:
         """The forward process's noise of samples ``idx`` at their k-th trained step: drawn for the whole batch on
         the host from (the batch's seed, k), so that every rank of an SP group, and any micro-batching, draws the
         same; queued to the device (no host sync)."""
         final = traj.final
-        gen = torch.Generator().manual_seed(_step_seed(traj.extras["noise_seed"], k))
+        gen = torch.Generator().manual_seed(_step_seed(traj.noise_seed, k))
         eps = torch.randn(final.shape, generator=gen, dtype=torch.float32)
         return to_device(eps, final.device)[idx].to(final.dtype)
 
-    def step_loss(
-        self,
-        engine: Any,
-        _batch: Any,
-        *,
-        ctx: StepContext,
-        traj: Trajectory,
-        k: int,
-        idx: torch.Tensor,
-        cond: dict[str, Any],
-        advantages: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        normalizer: float,
+    def loss(
+        self, step: StepInputs, targets: Targets, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One trained step of samples ``idx``: the old, current and (``kl_coef > 0``) reference velocities at the
-        noised data, and :func:`nft_loss`."""
-        g = ctx.g
-        x0 = traj.final[idx].float()
-        steps = traj.steps()[idx, k]
-        schedule = ctx.schedule.on(x0.device)
-        t = schedule.sigmas[steps].to(x0.dtype)
-        timestep = schedule.timesteps[steps]
-        tt = t.reshape(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1.0 - tt) * x0 + tt * self.noise(traj, k, idx)
-
-        def v_of(e: Any) -> torch.Tensor:
-            return velocity(e, ctx.adapter, x_t, timestep, cond, 1.0)
-
-        with torch.no_grad(), comm_phase("old_log_probs"):  # the old policy's pass
-            v_old = v_of(self._old().engine)
-        v = v_of(engine)
-        v_ref = None
-        if g.kl_coef > 0:
-            with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
-                v_ref = v_of(engine)
-        r = reward_prob(advantages[idx].to(x0.dtype), g.adv_clip_max)
+        """:func:`nft_loss` of one trained step."""
+        g = self.g
+        assert step.x0 is not None and step.v is not None and step.v_old is not None
+        r = reward_prob(targets.advantages.to(step.x0.dtype), g.adv_clip_max)
         return nft_loss(
-            v, v_old, x0, x_t, t, r, beta=g.nft_beta, clip=g.adv_clip_max, kl_coef=g.kl_coef, v_ref=v_ref,
-            normalizer=normalizer,
+            step.v, step.v_old, step.x0, step.x_t, step.t, r, beta=g.nft.beta, clip=g.adv_clip_max,
+            kl_coef=g.kl_coef, v_ref=step.v_ref, normalizer=normalizer,
         )

@@ -19,7 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..batch import IterationBatch, StepPlan
 from ..config import ConfigError, TrainConfig
+from ..sampling.denoise import Span
 from .base import Algorithm
 
 __all__ = ["SDE_STEPS", "FlowGRPO"]
@@ -110,13 +112,13 @@ class FlowGRPO(Algorithm):
             )
 
     # ------------------------------------------------------------------------------------------- batch
-    def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
-        b = len(batch["prompts"])
+    def plan(self, batch: IterationBatch, gen: torch.Generator, iteration: int, shared: torch.Generator) -> None:
+        b = len(batch)
         if self.sde_steps(self.config) == "all":
             count = self.trained_count(self.config)
-            batch["window_start"] = 0
-            batch["train_steps"] = torch.arange(count).expand(b, count).clone()
-            batch["train_steps_host"] = list(range(count))  # every sample the same steps: known on the host
+            batch.plan.window_start = 0
+            batch.plan.train_steps = torch.arange(count).expand(b, count).clone()
+            batch.plan.host_steps = list(range(count))  # every sample the same steps: known on the host
             return
         lo, hi = self.g.window_range
         if self.g.per_sample_windows:
@@ -126,20 +128,20 @@ class FlowGRPO(Algorithm):
             starts = [
                 int(torch.randint(lo, hi, (1,), generator=torch.Generator().manual_seed(base + i))) for i in range(b)
             ]
-            batch["window_starts"] = starts
-            batch["train_steps"] = torch.tensor(starts)[:, None] + torch.arange(self.g.window_size)
+            batch.plan.window_starts = starts
+            batch.plan.train_steps = torch.tensor(starts)[:, None] + torch.arange(self.g.window_size)
             return
-        batch["window_start"] = int(torch.randint(lo, hi, (1,), generator=gen))
+        batch.plan.window_start = int(torch.randint(lo, hi, (1,), generator=gen))
 
     def _starts(self, trainable: set[int]) -> list[int]:
         g = self.g
         return [s for s in range(*g.window_range) if all(s + k in trainable for k in range(g.window_size))]
 
-    def share_plan(self, batch: dict[str, Any], trainable: set[int], gen: torch.Generator) -> None:
+    def share_plan(self, batch: IterationBatch, trainable: set[int], gen: torch.Generator) -> None:
         if self.sde_steps(self.config) == "all":
             steps = [s for s in range(self.trained_count(self.config)) if s in trainable]
-            batch["train_steps"] = torch.tensor(steps).expand(len(batch["prompts"]), -1).clone()
-            batch["train_steps_host"] = steps
+            batch.plan.train_steps = torch.tensor(steps).expand(len(batch), -1).clone()
+            batch.plan.host_steps = steps
             return
         if self.g.per_sample_windows:
             raise ConfigError(
@@ -148,7 +150,7 @@ class FlowGRPO(Algorithm):
                 "flowgrpo.per_sample_windows=false"
             )
         starts = self._starts(trainable)
-        batch["window_start"] = starts[int(torch.randint(len(starts), (1,), generator=gen))]
+        batch.plan.window_start = starts[int(torch.randint(len(starts), (1,), generator=gen))]
 
     def check_trainable(self, trainable: set[int], owners: dict[int, str], trained: list[str]) -> None:
         g = self.g
@@ -173,9 +175,9 @@ class FlowGRPO(Algorithm):
         )
 
     # ----------------------------------------------------------------------------------------- rollout
-    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int | list[int], int]:
+    def span(self, plan: StepPlan, schedule: Any) -> Span:
         if self.sde_steps(self.config) == "all":
-            return 0, num_steps
-        if "window_starts" in batch:
-            return list(batch["window_starts"]), self.g.window_size
-        return int(batch["window_start"]), self.g.window_size
+            return Span(0, schedule.num_steps, self.step_rule())
+        if plan.window_starts is not None:  # one start per sample
+            return Span(list(plan.window_starts), self.g.window_size, self.step_rule())
+        return Span(plan.window_start, self.g.window_size, self.step_rule())

@@ -11,10 +11,10 @@ leans below 1 there and PPO's clip acts one-sidedly. GRPO-Guard adds that drift 
     rho_i = exp((log p_theta_i - log p_old_i + b_i) * S)
     L     = mean_i max(-A_i rho_i, -A_i clip(rho_i, 1 - eps, 1 + eps)) / mean_b(sqrt(-dt))^2
 
-(means over the micro-batch, as both references take them). ``flowgrpo.guard_bias: batch`` uses the micro-batch
+(means over the micro-batch, as both references take them). ``flowgrpo.guard.bias: batch`` uses the micro-batch
 mean of ``b_i`` for every sample, which is what flow_grpo's script computes (its ``.mean(dim=())`` over a ``[B]``
 tensor reduces every dim); ``sample`` (the default) keeps one ``b_i`` per sample, as verl-omni and the paper's
-formula. ``flowgrpo.ratio_norm: false`` is flow_grpo's ``rationorm=False``: the plain ratio and no reweighting.
+formula. ``flowgrpo.guard.ratio_norm: false`` is flow_grpo's ``rationorm=False``: the plain ratio and no reweighting.
 
 ``mu_old`` is the old policy's step mean, stored beside the old log-prob (``Algorithm.keeps_old_means``): recomputed
 by the actor (``recompute_old_log_probs``, as verl-omni) or kept by the rollout (as flow_grpo). The rollout is
@@ -25,15 +25,11 @@ flow_grpo's ``all`` (every step SDE, the first ``int(N * timestep_fraction)`` = 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from ...parallel.ledger import comm_phase
 from ..config import ConfigError, TrainConfig
-from ..sampling.rollout import Trajectory, evaluate_window_step
 from .advantages import group_advantages
-from .base import StepContext
+from .base import Inputs, StepInputs, Targets
 from .flow_grpo import FlowGRPO
 from .loss import reference_kl
 
@@ -135,84 +131,39 @@ class GRPOGuard(FlowGRPO):
                 f"flowgrpo.sde_type={g.sde_type!r}: GRPO-Guard normalises the ratio of flow_grpo's Gaussian SDE step "
                 "(std_dev_t sqrt(-dt)); fix: flowgrpo.sde_type=sde"
             )
-        if g.guard_bias not in GUARD_BIAS:
+        if g.guard.bias not in GUARD_BIAS:
             raise ConfigError(
-                f"flowgrpo.guard_bias={g.guard_bias!r}: choose 'sample' (one bias per sample, verl-omni) or 'batch' "
+                f"flowgrpo.guard.bias={g.guard.bias!r}: choose 'sample' (one bias per sample, verl-omni) or 'batch' "
                 "(the micro-batch mean, flow_grpo's script)"
             )
         super().check(config)
 
-    def keeps_old_means(self) -> bool:
-        return self.g.ratio_norm
+    def inputs(self) -> Inputs:
+        """The old policy's step means beside its log-probs (RatioNorm's mean-drift bias reads them)."""
+        return Inputs(old_means=self.g.guard.ratio_norm, reference=self.g.kl_coef > 0)
 
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """flow_grpo's per-prompt stat tracker with ``global_std = False``: the group's population std + 1e-4."""
         return group_advantages(rewards, groups, std="group", eps=1e-4, clip=self.g.adv_clip_max, correction=0)
 
-    def step_loss(
-        self,
-        engine: Any,
-        _batch: Any,
-        *,
-        ctx: StepContext,
-        traj: Trajectory,
-        k: int,
-        idx: torch.Tensor,
-        cond: dict[str, Any],
-        advantages: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        normalizer: float,
+    def loss(
+        self, step: StepInputs, targets: Targets, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The GRPO-Guard loss of the k-th trained step of samples ``idx`` (``ratio_norm: false``: Flow-GRPO's)."""
-        if not self.g.ratio_norm:
-            return super().step_loss(
-                engine,
-                _batch,
-                ctx=ctx,
-                traj=traj,
-                k=k,
-                idx=idx,
-                cond=cond,
-                advantages=advantages,
-                old_log_probs=old_log_probs,
-                normalizer=normalizer,
-            )
-        g = ctx.g
-        steps, latents, next_latents = traj.step_latents(idx, k)
-
-        def evaluate():
-            return evaluate_window_step(
-                engine,
-                ctx.adapter,
-                latents,
-                next_latents,
-                ctx.schedule,
-                steps,
-                cond,
-                ctx.rule,
-                g.cfg_scale,
-                ctx.cfg_batch,
-            )
-
-        step = evaluate()
-        ref_mean = None
-        if g.kl_coef > 0:
-            with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
-                ref_mean = evaluate().prev_sample_mean  # the reference policy: the base model, adapters off
-        # the schedule's copy on the device, indexed there: the (per-sample) steps never travel to the host
-        sigmas = ctx.schedule.on(steps.device).sigmas.to(step.std_dev_t.dtype)
-        sqrt_dt = torch.sqrt(sigmas[steps] - sigmas[steps + 1])
+        """The GRPO-Guard loss of one trained step (``guard.ratio_norm: false``: Flow-GRPO's)."""
+        if not self.g.guard.ratio_norm:
+            return super().loss(step, targets, normalizer)
+        assert step.log_prob is not None and step.std_dev_t is not None and step.sqrt_dt is not None
         return grpo_guard_loss(
             step.log_prob,
-            old_log_probs[idx, k],
-            advantages[idx],
+            targets.old_log_prob,
+            targets.advantages,
             step.prev_sample_mean,
-            traj.old_step_means(idx, k),
+            targets.old_prev_sample_mean,
             step.std_dev_t,
-            sqrt_dt,
-            clip_range=g.clip_range,
+            step.sqrt_dt,
+            clip_range=self.g.clip_range,
             normalizer=normalizer,
-            bias=g.guard_bias,
-            kl_coef=g.kl_coef,
-            ref_prev_sample_mean=ref_mean,
+            bias=self.g.guard.bias,
+            kl_coef=self.g.kl_coef,
+            ref_prev_sample_mean=step.ref_prev_sample_mean,
         )

@@ -7,8 +7,8 @@ std + 1e-8. Its schedule is DanceGRPO's shifted linspace (``flowgrpo.schedule: a
 Where the window is, per iteration (the reference's ``GRPOTrainingStates``, ``fastvideo/utils/grpo_states.py``, with
 ``max = N - 2``): iteration ``i`` trains the steps ``range(start, min(start + W, max))`` of the state reached after
 ``i`` updates from ``start = 0``. An update counts the iteration in its group; after ``iters_per_group`` of them the
-start moves by ``W`` (or by ``mix_prog_overlap_step`` with ``mix_prog_overlap``); past ``max`` it rolls back to 0
-(``mix_roll_back``) or stays at ``max`` (whose window is empty: nothing is trained any more, the reference's
+start moves by ``W`` (or by ``mix.prog_overlap_step`` with ``mix.prog_overlap``); past ``max`` it rolls back to 0
+(``mix.roll_back``) or stays at ``max`` (whose window is empty: nothing is trained any more, the reference's
 "training complete"). ``decay`` takes ``int(max_ipg (1 - start / max) + min_ipg start / max)`` iterations per move
 (at least ``min_ipg``), ``exp_decay`` ``ceil(iters_per_group exp(-k relu(start - threshold)))``; ``random`` draws
 the start uniformly from ``[0, max - W]`` at every update (iteration 0 keeps the initial 0). The state is a function
@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, TrainConfig
-from ..sampling.dpm import DPM_SOLVER_TYPES, DPMTail, compressed_tail
-from ..sampling.rollout import Trajectory, evaluate_window_step
+from ..batch import IterationBatch, StepPlan
+from ..config import TrainConfig, require
+from ..sampling.denoise import Span
+from ..sampling.dpm import DPM_SOLVER_TYPES, compressed_tail
 from .advantages import group_advantages
-from .base import Algorithm, StepContext
+from .base import Algorithm, StepInputs, Targets
 from .loss import flowgrpo_loss
 
 __all__ = ["MIX_STRATEGIES", "MIX_TAIL_SOLVERS", "MixGRPO", "MixWindows"]
@@ -41,12 +42,12 @@ class MixWindows:
     ``range(start, stop)`` are the SDE (and trained) steps, possibly none near the end (module docstring)."""
 
     def __init__(self, g: Any) -> None:
-        self.size, self.strategy, self.iters = g.mix_window_size, g.mix_strategy, g.mix_iters_per_group
+        self.size, self.strategy, self.iters = g.mix.window_size, g.mix.strategy, g.mix.iters_per_group
         self.max = g.num_steps - 2  # the reference's max_timesteps: the last step is never trained
-        self.stride = g.mix_prog_overlap_step if g.mix_prog_overlap else g.mix_window_size
-        self.roll_back = g.mix_roll_back
-        self.ipg_max, self.ipg_min = g.mix_max_iters_per_group, g.mix_min_iters_per_group
-        self.threshold, self.k = g.mix_exp_decay_threshold, g.mix_exp_decay_k
+        self.stride = g.mix.prog_overlap_step if g.mix.prog_overlap else g.mix.window_size
+        self.roll_back = g.mix.roll_back
+        self.ipg_max, self.ipg_min = g.mix.max_iters_per_group, g.mix.min_iters_per_group
+        self.threshold, self.k = g.mix.exp_decay_threshold, g.mix.exp_decay_k
         self._memo = (0, 0, 0)  # (iteration, start, iteration in group) last reached: a run asks in order
 
     def _iters_per_group(self, start: int) -> float:
@@ -84,11 +85,6 @@ class MixWindows:
         return start, min(start + self.size, self.max), in_group
 
 
-def _require(ok: bool, key: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"flowgrpo.{key}={value!r}: {rule}")
-
-
 class MixGRPO(Algorithm):
     name = "mix_grpo"
     schedule_kind = "linspace"  # the reference samples on shift(linspace(1, 0, N + 1)), timesteps int(1000 sigma)
@@ -100,128 +96,125 @@ class MixGRPO(Algorithm):
     @classmethod
     def check(cls, config: TrainConfig) -> None:
         g = config.flowgrpo
-        _require(
+        require(
             g.sde_type == "sde",
-            "sde_type",
+            "flowgrpo.sde_type",
             g.sde_type,
             "mix_grpo's window takes Flow-GRPO's SDE step; fix: remove flowgrpo.sde_type (sde)",
         )
-        _require(
+        require(
             g.num_steps >= 3,
-            "num_steps",
+            "flowgrpo.num_steps",
             g.num_steps,
             "mix_grpo trains steps before num_steps - 2 (the reference never trains the last two): at least 3",
         )
-        _require(
-            g.mix_window_size >= 1, "mix_window_size", g.mix_window_size, "at least 1 (the reference's 4)"
+        require(
+            g.mix.window_size >= 1, "flowgrpo.mix.window_size", g.mix.window_size, "at least 1 (the reference's 4)"
         )
-        _require(
-            g.mix_strategy in MIX_STRATEGIES,
-            "mix_strategy",
-            g.mix_strategy,
+        require(
+            g.mix.strategy in MIX_STRATEGIES,
+            "flowgrpo.mix.strategy",
+            g.mix.strategy,
             f"choose one of {MIX_STRATEGIES}",
         )
-        _require(g.mix_iters_per_group >= 1, "mix_iters_per_group", g.mix_iters_per_group, "at least 1")
-        _require(g.mix_prog_overlap_step >= 0, "mix_prog_overlap_step", g.mix_prog_overlap_step, "at least 0")
-        if g.mix_strategy == "random":
-            _require(
-                g.mix_window_size <= g.num_steps - 2,
-                "mix_window_size",
-                g.mix_window_size,
-                f"the random strategy draws a start in [0, num_steps - 2 - mix_window_size]; fix: at most "
+        require(g.mix.iters_per_group >= 1, "flowgrpo.mix.iters_per_group", g.mix.iters_per_group, "at least 1")
+        require(g.mix.prog_overlap_step >= 0, "flowgrpo.mix.prog_overlap_step", g.mix.prog_overlap_step, "at least 0")
+        if g.mix.strategy == "random":
+            require(
+                g.mix.window_size <= g.num_steps - 2,
+                "flowgrpo.mix.window_size",
+                g.mix.window_size,
+                f"the random strategy draws a start in [0, num_steps - 2 - mix.window_size]; fix: at most "
                 f"num_steps - 2 = {g.num_steps - 2}",
             )
-        if g.mix_strategy == "decay":
-            _require(
-                1 <= g.mix_min_iters_per_group <= g.mix_max_iters_per_group,
-                "mix_min_iters_per_group",
-                g.mix_min_iters_per_group,
-                f"decay needs 1 <= mix_min_iters_per_group <= mix_max_iters_per_group={g.mix_max_iters_per_group}",
+        if g.mix.strategy == "decay":
+            require(
+                1 <= g.mix.min_iters_per_group <= g.mix.max_iters_per_group,
+                "flowgrpo.mix.min_iters_per_group",
+                g.mix.min_iters_per_group,
+                f"decay needs 1 <= mix.min_iters_per_group <= mix.max_iters_per_group={g.mix.max_iters_per_group}",
             )
-        if g.mix_strategy == "exp_decay":
-            _require(
-                math.isfinite(g.mix_exp_decay_k) and g.mix_exp_decay_k >= 0,
-                "mix_exp_decay_k",
-                g.mix_exp_decay_k,
+        if g.mix.strategy == "exp_decay":
+            require(
+                math.isfinite(g.mix.exp_decay_k) and g.mix.exp_decay_k >= 0,
+                "flowgrpo.mix.exp_decay_k",
+                g.mix.exp_decay_k,
                 "a finite number >= 0 (the reference's 0.1)",
             )
-        _require(
-            g.mix_tail_solver in MIX_TAIL_SOLVERS,
-            "mix_tail_solver",
-            g.mix_tail_solver,
+        require(
+            g.mix.tail_solver in MIX_TAIL_SOLVERS,
+            "flowgrpo.mix.tail_solver",
+            g.mix.tail_solver,
             f"choose one of {MIX_TAIL_SOLVERS}",
         )
-        _require(
-            0 < g.mix_tail_compress_ratio <= 1,
-            "mix_tail_compress_ratio",
-            g.mix_tail_compress_ratio,
+        require(
+            0 < g.mix.tail_compress_ratio <= 1,
+            "flowgrpo.mix.tail_compress_ratio",
+            g.mix.tail_compress_ratio,
             "in (0, 1] (the reference's 0.4; MixGRPO-Flash*: 0.2)",
         )
-        _require(
-            g.mix_dpm_solver_type in DPM_SOLVER_TYPES,
-            "mix_dpm_solver_type",
-            g.mix_dpm_solver_type,
+        require(
+            g.mix.dpm_solver_type in DPM_SOLVER_TYPES,
+            "flowgrpo.mix.dpm_solver_type",
+            g.mix.dpm_solver_type,
             f"choose one of {DPM_SOLVER_TYPES}",
         )
-        _require(
-            math.isfinite(g.mix_kl_coef) and g.mix_kl_coef >= 0,
-            "mix_kl_coef",
-            g.mix_kl_coef,
+        require(
+            math.isfinite(g.mix.kl_coef) and g.mix.kl_coef >= 0,
+            "flowgrpo.mix.kl_coef",
+            g.mix.kl_coef,
             "a finite number >= 0 (0: no KL term)",
         )
-        _require(
+        require(
             g.kl_coef == 0,
-            "kl_coef",
+            "flowgrpo.kl_coef",
             g.kl_coef,
-            "mix_grpo's KL is to the rollout's log-probs (flowgrpo.mix_kl_coef), not to the adapters-off "
+            "mix_grpo's KL is to the rollout's log-probs (flowgrpo.mix.kl_coef), not to the adapters-off "
             "reference; fix: flowgrpo.kl_coef=0",
         )
         linspace = g.schedule in ("auto", "linspace")
         if linspace:
-            _require(
+            require(
                 g.shift > 0,
-                "shift",
+                "flowgrpo.shift",
                 g.shift,
                 "mix_grpo samples on the shifted linspace (flowgrpo.schedule auto), which needs a shift; "
                 "fix: flowgrpo.shift=3 (the reference's FLUX script)",
             )
-        if g.mix_tail_solver == "dpmsolver++":
-            _require(
+        if g.mix.tail_solver == "dpmsolver++":
+            require(
                 linspace,
-                "schedule",
+                "flowgrpo.schedule",
                 g.schedule,
-                "mix_tail_solver=dpmsolver++ compresses the tail of the shifted linspace, as the reference does; "
-                "fix: flowgrpo.schedule=auto (or linspace), or flowgrpo.mix_tail_solver=euler",
+                "mix.tail_solver=dpmsolver++ compresses the tail of the shifted linspace, as the reference does; "
+                "fix: flowgrpo.schedule=auto (or linspace), or flowgrpo.mix.tail_solver=euler",
             )
 
     # ------------------------------------------------------------------------------------------- batch
-    def plan(self, batch: dict[str, Any], gen: torch.Generator) -> None:
-        if self.g.mix_same_noise:  # every sample of a prompt group starts from its first sample's noise
+    def plan(self, batch: IterationBatch, gen: torch.Generator, iteration: int, shared: torch.Generator) -> None:
+        if self.g.mix.same_noise:  # every sample of a prompt group starts from its first sample's noise
             first: dict[int, int] = {}
-            index = [first.setdefault(int(gid), i) for i, gid in enumerate(batch["group_ids"].tolist())]
-            batch["latents"] = batch["latents"][torch.tensor(index)]
+            index = [first.setdefault(int(gid), i) for i, gid in enumerate(batch.group_ids.tolist())]
+            batch.latents = batch.latents[torch.tensor(index)]
+        # the window moves with training: drawn from the iteration alone, the same on every rank
+        start, stop, in_group = self.windows.window(iteration, shared)
+        batch.plan.window_start, batch.plan.window_size, batch.plan.in_group = start, stop - start, in_group
 
-    def plan_iteration(self, batch: dict[str, Any], iteration: int, gen: torch.Generator) -> None:
-        start, stop, in_group = self.windows.window(iteration, gen)
-        batch["window_start"], batch["window_size"], batch["mix_in_group"] = start, stop - start, in_group
+    def span(self, plan: StepPlan, schedule: Any) -> Span:
+        start, size = plan.window_start, int(plan.window_size or 0)
+        tail = None
+        if self.g.mix.tail_solver != "euler" and size:  # an empty window has no last step (the reference fails there)
+            g = self.g
+            tail = compressed_tail(g.num_steps, g.shift, start + size - 1, g.mix.tail_compress_ratio, g.mix.dpm_solver_type)
+        return Span(start, size, self.step_rule(), tail=tail)
 
-    def span(self, batch: dict[str, Any], num_steps: int) -> tuple[int, int]:
-        return int(batch["window_start"]), int(batch["window_size"])
-
-    def tail(self, batch: dict[str, Any], schedule: Any) -> DPMTail | None:
-        if self.g.mix_tail_solver == "euler" or not batch["window_size"]:
-            return None  # an empty window has no last step (the reference fails there): all Euler
-        last = int(batch["window_start"]) + int(batch["window_size"]) - 1
-        g = self.g
-        return compressed_tail(g.num_steps, g.shift, last, g.mix_tail_compress_ratio, g.mix_dpm_solver_type)
-
-    def iteration_metrics(self, batch: dict[str, Any]) -> dict[str, float]:
+    def iteration_metrics(self, plan: StepPlan) -> dict[str, float]:
         # the reference's names (its wandb keys); its values there are the state after the update, ours the
         # window this iteration trained
         return {
-            "cur_timesteps": float(batch["window_start"]),
-            "cur_iter_in_group": float(batch["mix_in_group"]),
-            "window_size": float(batch["window_size"]),
+            "cur_timesteps": float(plan.window_start),
+            "cur_iter_in_group": float(plan.in_group),
+            "window_size": float(plan.window_size or 0),
         }
 
     # -------------------------------------------------------------------------------------- advantages
@@ -231,44 +224,21 @@ class MixGRPO(Algorithm):
         )
 
     # ------------------------------------------------------------------------------------------ update
-    def step_loss(
-        self,
-        engine: Any,
-        _batch: Any,
-        *,
-        ctx: StepContext,
-        traj: Trajectory,
-        k: int,
-        idx: torch.Tensor,
-        cond: dict[str, Any],
-        advantages: torch.Tensor,
-        old_log_probs: torch.Tensor,
-        normalizer: float,
+    def loss(
+        self, step: StepInputs, targets: Targets, normalizer: float
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The clipped policy loss of the k-th window step, plus ``mix_kl_coef * 0.5 mean((lp - lp_old)^2)``
-        (the reference's ``kl_loss``, metric ``kl_loss``), both ``/ normalizer``."""
-        g = ctx.g
-        steps, latents, next_latents = traj.step_latents(idx, k)
-        step = evaluate_window_step(
-            engine,
-            ctx.adapter,
-            latents,
-            next_latents,
-            ctx.schedule,
-            steps,
-            cond,
-            ctx.rule,
-            g.cfg_scale,
-            ctx.cfg_batch,
-        )
-        old = old_log_probs[idx, k]
+        """The clipped policy loss of a window step, plus ``mix.kl_coef * 0.5 mean((lp - lp_old)^2)`` (the
+        reference's ``kl_loss``, metric ``kl_loss``), both ``/ normalizer``."""
+        g = self.g
+        assert step.log_prob is not None and targets.old_log_prob is not None
+        old = targets.old_log_prob
         loss, metrics = flowgrpo_loss(
-            step.log_prob, old, advantages[idx], clip_range=g.clip_range, normalizer=normalizer
+            step.log_prob, old, targets.advantages, clip_range=g.clip_range, normalizer=normalizer
         )
         lp = step.log_prob.to(torch.promote_types(step.log_prob.dtype, torch.float32))
         kl = 0.5 * (lp - old.detach().to(lp.dtype)).square().mean()
-        if g.mix_kl_coef > 0:
-            loss = loss + g.mix_kl_coef * kl / normalizer
+        if g.mix.kl_coef > 0:
+            loss = loss + g.mix.kl_coef * kl / normalizer
         metrics["kl_loss"] = kl.detach()
-        metrics["loss"] = metrics["loss"] + g.mix_kl_coef * kl.detach()
+        metrics["loss"] = metrics["loss"] + g.mix.kl_coef * kl.detach()
         return loss, metrics

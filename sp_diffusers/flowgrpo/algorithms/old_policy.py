@@ -39,7 +39,7 @@ def old_policy_decay(step: int, schedule: str) -> float:
     """The decay ``d`` after optimizer step ``step``: 0 before ``flat``, then ``min((step - flat) uprate, uphold)``."""
     if schedule not in DECAY_SCHEDULES:
         raise ValueError(
-            f"flowgrpo.nft_decay={schedule!r}: choose one of {', '.join(DECAY_SCHEDULES)} (DiffusionNFT's decay_type "
+            f"flowgrpo.nft.decay={schedule!r}: choose one of {', '.join(DECAY_SCHEDULES)} (DiffusionNFT's decay_type "
             "0, 1, 2)"
         )
     flat, uprate, uphold = DECAY_SCHEDULES[schedule]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .base import FamilyAdapter
 from .decode import PackedTokens, unpack_2x2
 from .flux import FluxAdapter, flux_adapter
 
@@ -55,7 +56,7 @@ class QwenImageAdapter(PackedTokens):
 
 
 @dataclass(frozen=True)
-class SD3Adapter:
+class SD3Adapter(FamilyAdapter):
     """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, the schedule's timestep as is, pooled text from the
     pipeline's CLIP encoders when the text encoder gives it, else the masked mean of the embeddings.
 
@@ -107,7 +108,7 @@ class SD3Adapter:
 
 
 @dataclass(frozen=True)
-class WanAdapter:
+class WanAdapter(FamilyAdapter):
     """``WanTransformer3DModel``: video latents ``[B, C, F, H, W]``, the schedule's timestep as is (``[B]``).
 
     Wan's transformer takes no text mask: its pipeline zero-pads every prompt's embeddings to

@@ -27,7 +27,14 @@ from ..config import ConfigError
 from ..io.data import PromptRow
 from ..io.images import load_row_images, source_pixels
 
-__all__ = ["ConditionEncoder", "build_conditioning", "conditioned_adapter", "is_conditioned", "with_sources"]
+__all__ = [
+    "ConditionEncoder",
+    "PromptEncoder",
+    "build_conditioning",
+    "conditioned_adapter",
+    "is_conditioned",
+    "with_sources",
+]
 
 
 def is_conditioned(adapter: Any) -> bool:
@@ -93,6 +100,26 @@ class ConditionEncoder:
         h, w = self.adapter.output_pixels
         out["source_pixels"] = torch.stack([source_pixels(im, h, w) for im in images])
         return {k: _repeat(v, repeat) for k, v in out.items()}
+
+
+class PromptEncoder:
+    """Prompt rows -> what the transformer is conditioned on (``IterationBatch.cond``: each prompt's text, the empty
+    prompt's for classifier-free guidance when ``negative``, an image-conditioned family's ``condition_*``) and that
+    family's source pixels (None for a text-only family); each row's condition is encoded once and shared by the
+    ``repeat`` samples of its group."""
+
+    def __init__(self, text_encoder: Any, conditioner: ConditionEncoder | None, negative: bool) -> None:
+        self.text, self.conditioner, self.negative = text_encoder, conditioner, negative
+
+    def encode(self, rows: list[PromptRow], repeat: int = 1) -> tuple[dict[str, Any], torch.Tensor | None]:
+        if self.conditioner is None:
+            prompts = [r.prompt for r in rows for _ in range(repeat)]
+            cond = self.text.encode_batch(prompts)
+            if self.negative:
+                cond.update(self.text.encode_batch([""] * len(prompts), prefix="negative_"))
+            return cond, None
+        cond = self.conditioner.encode(rows, repeat, negative=self.negative)
+        return cond, cond.pop("source_pixels")
 
 
 def with_sources(metadata: list[dict] | None, pixels: torch.Tensor | None, count: int) -> list[dict]:

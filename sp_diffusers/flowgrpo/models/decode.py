@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .base import FamilyAdapter
+
 __all__ = ["PackedTokens", "PixelDecoder", "denormalize", "unpack_2x2"]
 
 
@@ -28,7 +30,7 @@ def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class PackedTokens:
+class PackedTokens(FamilyAdapter):
     """The latent geometry Qwen-Image and FLUX.1 share: each 2 x 2 patch of the VAE latents is one token,
     ``[B, grid_h * grid_w, channels]``; the rewards read the tokens as they are."""
 

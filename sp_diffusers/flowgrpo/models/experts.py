@@ -53,6 +53,14 @@ class ExpertEngines:
     def for_step(self, step: int) -> FSDPEngine:
         return self.experts[self.route[step]]
 
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def release_params(self) -> None:
+        for e in self.experts.values():
+            e.release_params()
+
     def trainable_steps(self) -> list[int]:
         return [i for i, name in enumerate(self.route) if name in self.trained]
 

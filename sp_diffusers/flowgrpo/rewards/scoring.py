@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...parallel.devices import to_device
 from ...parallel.ledger import comm_kind
 from .loading import RewardSpec
 
-__all__ = ["RewardError", "RewardSet"]
+__all__ = ["RewardError", "RewardSet", "Scorer"]
 
 
 class RewardError(RuntimeError):
@@ -199,3 +200,27 @@ class RewardSet:
         weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
         total = (scores * weights).sum(dim=1).float()
         return total, {s.name: scores[:, j].float() for j, s in enumerate(self.specs)}
+
+
+class Scorer:
+    """The iteration's rewards of the final latents: ``(total [B] float32, {name: [B]})`` on the latents' device,
+    split over the SP group and identical on its ranks. ``override`` (``reward(latents, prompts) -> [B]``, given to
+    the trainer) replaces the configured ``rewards``; an image-conditioned family's rewards read each sample's source
+    images in its metadata (``conditioning.with_sources``)."""
+
+    def __init__(self, rewards: RewardSet, reward_view: Callable[[torch.Tensor], torch.Tensor], override: Any = None):
+        self.rewards, self.reward_view, self.override = rewards, reward_view, override
+
+    def __call__(
+        self,
+        final: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict] | None = None,
+        source_pixels: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from ..models.conditioning import with_sources
+
+        if self.override is not None:
+            return self.override(self.reward_view(final), prompts).float(), {}
+        total, each = self.rewards(final, prompts, with_sources(metadata, source_pixels, final.shape[0]))
+        return to_device(total, final.device), to_device(each, final.device)

@@ -30,7 +30,7 @@ class DPMSolver2:
         if i != self.last_step + 1:
             raise ValueError(
                 f"DPMSolver2.step: step {i} after step {self.last_step}; the multistep solver runs every step in "
-                "order from 0 (flowgrpo.nft_solver=euler for rollouts with stochastic steps)"
+                "order from 0 (flowgrpo.nft.solver=euler for rollouts with stochastic steps)"
             )
         dtype = torch.promote_types(torch.promote_types(x.dtype, v.dtype), torch.float32)
         x, v = x.to(dtype), v.to(dtype)

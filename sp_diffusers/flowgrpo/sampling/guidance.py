@@ -70,7 +70,7 @@ def gathers_once(mode: str, engine: Any) -> bool:
     if mode != "auto":
         return mode == "always"
     fits = bool(engine.gather_fits())
-    group = getattr(engine, "control_group", None)
+    group = engine.control_group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([int(fits)], device=collective_device(group))
         with comm_kind("agreement"):
@@ -109,7 +109,7 @@ class WeightHolder:
     def release(self) -> None:
         self._let_go()
         for engine in self._seen:
-            getattr(engine, "release_params", lambda: None)()
+            engine.release_params()
         self._seen = []
 
     def __enter__(self) -> WeightHolder:

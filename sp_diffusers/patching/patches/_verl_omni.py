@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from ._base import AttributeSwaps, Probe
+from ..swaps import AttributeSwaps
+from ._base import Probe
 
 PACKAGE = "verl_omni"
 NOT_INSTALLED = Probe(False, "verl-omni is not installed (nothing of it to patch)")

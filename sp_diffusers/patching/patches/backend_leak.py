@@ -11,7 +11,8 @@ own processors keep the backend they were given.
 
 from __future__ import annotations
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "backend_leak"
 AFFECTED = "0.37-0.42"

@@ -19,7 +19,8 @@ import inspect
 
 import torch
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "cpu_device_count"
 AFFECTED = "0.42"

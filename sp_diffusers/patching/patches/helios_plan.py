@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "helios_plan"
 AFFECTED = "0.37-0.42"

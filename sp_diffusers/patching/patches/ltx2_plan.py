@@ -29,7 +29,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "ltx2_plan"
 AFFECTED = "0.37-0.42"

@@ -20,7 +20,8 @@ import contextlib
 
 import torch.distributed.device_mesh as device_mesh_module
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 # The attribute that carries a shared mesh on a ContextParallelConfig that has no `mesh` field; set by
 # sp_diffusers.context_parallel_config, read here inside enable_parallelism.

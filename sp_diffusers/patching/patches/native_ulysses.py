@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import inspect
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "native_ulysses"
 AFFECTED = "0.36-0.42"

@@ -14,7 +14,8 @@ are (the same ``tensor_split`` rule, so any length); a ``[B]`` timestep is left 
 
 from __future__ import annotations
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "per_token_timestep"
 AFFECTED = "0.36-0.42"

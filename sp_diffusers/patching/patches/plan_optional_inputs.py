@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 import inspect
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "plan_optional_inputs"
 AFFECTED = "0.36-0.42"

@@ -18,7 +18,8 @@ import inspect
 
 import torch
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "qwenimage_joint_mask"
 AFFECTED = "0.37-0.38"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "root_hook_return_dict"
 AFFECTED = "0.36-0.42"

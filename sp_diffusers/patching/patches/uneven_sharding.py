@@ -27,7 +27,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "uneven_sharding"
 AFFECTED = "0.36-0.42"

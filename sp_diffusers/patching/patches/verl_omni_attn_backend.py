@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from ..swaps import AttributeSwaps
 from . import _verl_omni
-from ._base import AttributeSwaps, Probe, logger
+from ._base import Probe, logger
 
 NAME = "verl_omni_attn_backend"
 AFFECTED = "verl-omni a1139ba, all diffusers"

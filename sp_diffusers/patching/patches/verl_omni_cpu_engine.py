@@ -19,8 +19,9 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
+from ..swaps import AttributeSwaps
 from . import _verl_omni
-from ._base import AttributeSwaps, Probe, logger
+from ._base import Probe, logger
 
 NAME = "verl_omni_cpu_engine"
 AFFECTED = "verl-omni a1139ba, all diffusers"

@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 from types import ModuleType
 
+from ..swaps import AttributeSwaps
 from . import _verl_omni, mesh_injection
-from ._base import AttributeSwaps, Probe, logger
+from ._base import Probe, logger
 
 NAME = "verl_omni_min_diffusers"
 AFFECTED = "verl-omni a1139ba, diffusers 0.36-0.37"

@@ -24,8 +24,9 @@ import inspect
 import sys
 from types import ModuleType
 
+from ..swaps import AttributeSwaps
 from . import _verl_omni, qwenimage_joint_mask
-from ._base import AttributeSwaps, Probe, logger
+from ._base import Probe, logger
 
 NAME = "verl_omni_qwen_mask"
 AFFECTED = "verl-omni a1139ba, diffusers 0.38-0.42"

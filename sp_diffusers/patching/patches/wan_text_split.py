@@ -16,7 +16,8 @@ unchanged and gives each copy 1/P of its gradient, so outputs and summed gradien
 
 from __future__ import annotations
 
-from ._base import AttributeSwaps, Probe, logger
+from ..swaps import AttributeSwaps
+from ._base import Probe, logger
 
 NAME = "wan_text_split"
 AFFECTED = "0.36"

@@ -12,7 +12,7 @@ Users register plans for their own models with :func:`register_plan`.
 from __future__ import annotations
 
 from . import cogvideox, hunyuan_video, hunyuan_video15, sd3, wan_vace, zimage  # noqa: F401  (each registers its plan)
-from .attach import ModelPlan, PlanStatus, attach, detach, prepare_model, register_plan, registered_plans
+from .assignments import ModelPlan, PlanStatus, attach, detach, prepare_model, register_plan, registered_plans
 from .cogvideox import CogVideoXJointAttnProcessor
 from .hunyuan_video import HunyuanVideoJointAttnProcessor
 from .hunyuan_video15 import HunyuanVideo15KeyMaskAttnProcessor

@@ -10,7 +10,7 @@ import torch
 
 from ...parallel.cp_groups import cp_world
 from ._joint import joint_sizes, text_key_mask
-from .attach import register_plan, swap_processors
+from .assignments import register_plan, swap_processors
 
 __all__ = ["CogVideoXJointAttnProcessor"]
 

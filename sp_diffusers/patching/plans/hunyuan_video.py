@@ -11,7 +11,7 @@ import torch
 
 from ...parallel.cp_groups import cp_groups, cp_world
 from ._joint import block_parallel_config, bound_args, joint_sizes, to_all_to_all_order
-from .attach import register_plan, swap_processors
+from .assignments import register_plan, swap_processors
 
 __all__ = ["HunyuanVideoJointAttnProcessor"]
 

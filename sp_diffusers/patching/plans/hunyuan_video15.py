@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .attach import register_plan, swap_processors
+from .assignments import register_plan, swap_processors
 
 __all__ = ["HunyuanVideo15KeyMaskAttnProcessor"]
 

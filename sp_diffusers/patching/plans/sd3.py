@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ._joint import joint_sizes, text_key_mask
-from .attach import register_plan, swap_processors
+from .assignments import register_plan, swap_processors
 
 __all__ = ["SD3JointAttnProcessor"]
 

@@ -7,7 +7,7 @@ through the dispatcher, so the plan needs no processor swap.
 
 from __future__ import annotations
 
-from .attach import register_plan
+from .assignments import register_plan
 
 
 def _wan_vace_plan() -> dict:

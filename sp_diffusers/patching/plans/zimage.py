@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .attach import register_plan
+from .assignments import register_plan
 
 __all__ = ["ZImageRefinerAttnProcessor"]
 

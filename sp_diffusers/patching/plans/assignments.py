@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..patches._base import AttributeSwaps
+from ..swaps import AttributeSwaps
 
 logger = logging.getLogger(__name__)
 

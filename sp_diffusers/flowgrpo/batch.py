@@ -1,0 +1,84 @@
+"""One iteration's batch, typed: its prompts and their conditioning, the initial noise, the prompt groups, the seeds,
+and the algorithm's choices for it (:class:`StepPlan`).
+
+A batch is made on the host (ragged text, CPU tensors) from the iteration's generators, the same on the ranks of an
+SP group (every draw is seeded by the iteration and the data-parallel rank); :meth:`IterationBatch.prepared` makes
+it dense (the text padded to the SP degree), puts it on the device and broadcasts its tensors from the SP group's
+first rank, through ``FSDPEngine.prepare_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+__all__ = ["IterationBatch", "StepPlan"]
+
+
+@dataclass
+class StepPlan:
+    """The algorithm's choices for one iteration (``Algorithm.plan``), drawn on the host.
+
+    ``window_start`` / ``window_size``: the span of stochastic steps shared by every sample (``window_size`` None:
+    ``flowgrpo.window_size``; MixGRPO's window moves and may shrink); ``window_starts``: one start per sample
+    instead; ``train_steps [B, T]``: the schedule steps each sample trains (None: the span's), ``host_steps`` the same
+    on the host where every sample shares them (two experts route by them); ``noise_seed``: DiffusionNFT's
+    forward-process noise; ``in_group``: MixGRPO's count of iterations in its window's place (a metric)."""
+
+    window_start: int = 0
+    window_size: int | None = None
+    window_starts: list[int] | None = None
+    train_steps: torch.Tensor | None = None
+    host_steps: list[int] | None = None
+    noise_seed: int | None = None
+    in_group: int = 0
+
+
+@dataclass
+class IterationBatch:
+    """``prompts`` and ``metadata`` (each row's own fields) per sample, ``cond``: what the transformer is conditioned
+    on, by the adapter's keyword (``prompt_embeds`` and its mask, the empty prompt's ``negative_*`` for CFG, pooled
+    embeddings, an image condition's ``condition_*``), ``group_ids [B]`` (the prompt each sample belongs to, unique
+    across data-parallel ranks), ``latents`` (the initial noise), ``sde_seed`` (the rollout's SDE noise),
+    ``shuffle_seed`` (the update's shuffle), ``source_pixels`` (an image-conditioned family's source images, which
+    rewards read) and, once the rewards are in, ``kept`` (the samples the update trains: the zero-advantage
+    filter's choice; None: all)."""
+
+    prompts: list[str]
+    cond: dict[str, Any]
+    group_ids: torch.Tensor
+    latents: torch.Tensor
+    plan: StepPlan = field(default_factory=StepPlan)
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    sde_seed: int = 0
+    shuffle_seed: int = 0
+    source_pixels: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def cond_of(self, index: torch.Tensor | None = None) -> dict[str, Any]:
+        """The conditioning of samples ``index`` (all: ``cond`` itself)."""
+        return dict(self.cond) if index is None else {k: v[index] for k, v in self.cond.items()}
+
+    def prepared(self, engine: Any) -> IterationBatch:
+        """Dense text (padded to the SP degree), on the engine's device, identical on every rank of the SP group
+        (``FSDPEngine.prepare_batch``: broadcast from its first rank)."""
+        tensors: dict[str, Any] = {**self.cond, "latents": self.latents, "group_ids": self.group_ids}
+        if self.source_pixels is not None:
+            tensors["source_pixels"] = self.source_pixels
+        if self.plan.train_steps is not None:
+            tensors["train_steps"] = self.plan.train_steps
+        out = engine.prepare_batch(tensors)
+        plan = replace(self.plan, train_steps=out.pop("train_steps", None))
+        return replace(
+            self,
+            latents=out.pop("latents"),
+            group_ids=out.pop("group_ids"),
+            source_pixels=out.pop("source_pixels", None),
+            plan=plan,
+            cond=out,
+        )
