@@ -21,54 +21,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COND_SPECS", "WAN_14B"]
+from .released_configs import FLUX_DEV, QWEN_IMAGE, WAN_14B
 
-WAN_14B: dict[str, Any] = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 40,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 13824,
-    "num_layers": 40,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "added_kv_proj_dim": None,
-}
-
-_QWEN_IMAGE = {
-    "patch_size": 2,
-    "in_channels": 64,
-    "out_channels": 16,
-    "num_layers": 60,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 3584,
-    "guidance_embeds": False,
-    "axes_dims_rope": (16, 56, 56),
-}
-_FLUX_DEV = {
-    "patch_size": 1,
-    "in_channels": 64,
-    "num_layers": 19,
-    "num_single_layers": 38,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": True,
-    "axes_dims_rope": (16, 56, 56),
-}
+__all__ = ["COND_SPECS"]
 
 # name -> (kind, family name in models.FAMILIES, config, condition, experts, source, default (h, w, frames))
 COND_SPECS: dict[str, tuple[str, str, dict[str, Any], str, int, str, tuple[int, int, int]]] = {
     "qwen-image-edit": (
         "qwenimage",
         "qwenimage",
-        _QWEN_IMAGE,
+        QWEN_IMAGE,
         "edit",
         1,
         "Qwen/Qwen-Image-Edit",
@@ -77,7 +39,7 @@ COND_SPECS: dict[str, tuple[str, str, dict[str, Any], str, int, str, tuple[int, 
     "flux.1-kontext-dev": (
         "flux",
         "flux",
-        _FLUX_DEV,
+        FLUX_DEV,
         "edit",
         1,
         "black-forest-labs/FLUX.1-Kontext-dev",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..families.kinds import KINDS
+from .released_configs import FLUX_DEV, QWEN_IMAGE, WAN_14B
 
 __all__ = ["BUILTIN", "Family", "ModelSpec", "PlanError", "resolve_model"]
 
@@ -83,27 +84,11 @@ class ModelSpec:
         return KINDS[self.kind]
 
 
-_WAN_14B = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 40,
-    "attention_head_dim": 128,
-    "in_channels": 16,
-    "out_channels": 16,
-    "text_dim": 4096,
-    "freq_dim": 256,
-    "ffn_dim": 13824,
-    "num_layers": 40,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "added_kv_proj_dim": None,
-}
-
 BUILTIN: dict[str, ModelSpec] = {
     "wan2.1-t2v-1.3b": ModelSpec(
         "wan2.1-t2v-1.3b",
         "wan",
-        {**_WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
+        {**WAN_14B, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
         FAMILIES["wan"],
         source="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
         default_size=(480, 832, 81),
@@ -111,7 +96,7 @@ BUILTIN: dict[str, ModelSpec] = {
     "wan2.1-t2v-14b": ModelSpec(
         "wan2.1-t2v-14b",
         "wan",
-        dict(_WAN_14B),
+        dict(WAN_14B),
         FAMILIES["wan"],
         source="Wan-AI/Wan2.1-T2V-14B-Diffusers",
         default_size=(720, 1280, 81),
@@ -119,7 +104,7 @@ BUILTIN: dict[str, ModelSpec] = {
     "wan2.2-t2v-a14b": ModelSpec(
         "wan2.2-t2v-a14b",
         "wan",
-        dict(_WAN_14B),
+        dict(WAN_14B),
         FAMILIES["wan"],
         experts=2,
         source="Wan-AI/Wan2.2-T2V-A14B-Diffusers (transformer/ and transformer_2/: one config each)",
@@ -132,17 +117,7 @@ BUILTIN: dict[str, ModelSpec] = {
     "qwen-image": ModelSpec(
         "qwen-image",
         "qwenimage",
-        {
-            "patch_size": 2,
-            "in_channels": 64,
-            "out_channels": 16,
-            "num_layers": 60,
-            "attention_head_dim": 128,
-            "num_attention_heads": 24,
-            "joint_attention_dim": 3584,
-            "guidance_embeds": False,
-            "axes_dims_rope": (16, 56, 56),
-        },
+        dict(QWEN_IMAGE),
         FAMILIES["qwenimage"],
         source="Qwen/Qwen-Image",
         default_size=(1328, 1328, 1),
@@ -150,18 +125,7 @@ BUILTIN: dict[str, ModelSpec] = {
     "flux.1-dev": ModelSpec(
         "flux.1-dev",
         "flux",
-        {
-            "patch_size": 1,
-            "in_channels": 64,
-            "num_layers": 19,
-            "num_single_layers": 38,
-            "attention_head_dim": 128,
-            "num_attention_heads": 24,
-            "joint_attention_dim": 4096,
-            "pooled_projection_dim": 768,
-            "guidance_embeds": True,
-            "axes_dims_rope": (16, 56, 56),
-        },
+        dict(FLUX_DEV),
         FAMILIES["flux"],
         source="black-forest-labs/FLUX.1-dev",
         default_size=(1024, 1024, 1),

@@ -24,15 +24,14 @@ from typing import Any
 
 from ..families.scheduler_configs import scheduler_kwargs
 from .specs import tiny_model
-from .text_parts import char_tokenizer, require_weights, tiny_clip_text, tiny_t5, tiny_umt5
-from .vision_parts import (
-    tiny_autoencoder_kl_8x,
-    tiny_clip_vision,
-    tiny_qwen25vl_vision,
-    tiny_qwen_vl_processor,
-    tiny_qwenimage_vae_8x,
-    tiny_wan_vae_4x,
+from .text_parts import (
+    flux_parts,
+    save_pipeline,
+    tiny_qwenimage_vae,
+    tiny_umt5,
+    tiny_wan_vae,
 )
+from .vision_parts import tiny_clip_vision, tiny_qwen25vl_vision, tiny_qwen_vl_processor
 
 __all__ = [
     "COND_PIPELINE_WRITERS",
@@ -42,33 +41,15 @@ __all__ = [
 ]
 
 
-def _save(pipe: Any, folder: str | os.PathLike) -> Path:
-    import torch
-
-    pipe.save_pretrained(folder)
-    models = [Path(folder) / name for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)]
-    require_weights(f"save_tiny_pipeline ({type(pipe).__name__})", models)
-    return Path(folder)
-
-
 def save_tiny_flux_kontext_pipeline(
     folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any
 ) -> Path:
     """A tiny ``FluxKontextPipeline``: the tiny FLUX.1 transformer with a guidance embedding (Kontext-dev is
     guidance-distilled), CLIP + T5 as ``FluxPipeline``'s, an 8x ``AutoencoderKL`` and FLUX.1's scheduler config."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+    from diffusers import FluxKontextPipeline
 
     transformer = tiny_model("flux", seed=seed, guidance_embeds=True, **transformer_overrides)
-    pipe = FluxKontextPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("flux")),
-        vae=tiny_autoencoder_kl_8x(seed + 3, transformer.config.in_channels // 4, 0.3611, 0.1159),
-        text_encoder=tiny_clip_text(seed + 1, transformer.config.pooled_projection_dim, projection=False),
-        tokenizer=char_tokenizer(77),
-        text_encoder_2=tiny_t5(seed + 2, transformer.config.joint_attention_dim),
-        tokenizer_2=char_tokenizer(512),
-        transformer=transformer,
-    )
-    return _save(pipe, folder)
+    return save_pipeline(FluxKontextPipeline(transformer=transformer, **flux_parts(seed, transformer, vae_factor=8)), folder)
 
 
 def save_tiny_qwenimage_edit_pipeline(
@@ -92,7 +73,7 @@ def save_tiny_qwenimage_edit_pipeline(
     cls = diffusers.QwenImageEditPlusPipeline if plus else diffusers.QwenImageEditPipeline
     pipe = cls(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("qwenimage")),
-        vae=tiny_qwenimage_vae_8x(seed + 2, transformer.config.in_channels // 4),
+        vae=tiny_qwenimage_vae(seed + 2, transformer.config.in_channels // 4, factor=8),
         text_encoder=tiny_qwen25vl_vision(seed + 1, transformer.config.joint_attention_dim),
         tokenizer=processor.tokenizer,
         processor=processor,
@@ -100,7 +81,7 @@ def save_tiny_qwenimage_edit_pipeline(
     )
     pipe.processor = None  # written by hand below (the folder keeps the component's name and class)
     pipe.register_to_config(processor=("transformers", "Qwen2VLProcessor"))
-    path = _save(pipe, folder)
+    path = save_pipeline(pipe, folder)
     save_qwen_vl_processor(processor, path / "processor")
     return path
 
@@ -125,7 +106,7 @@ def save_tiny_wan_i2v_pipeline(
         raise ValueError(
             f"variant={variant!r}: choose wan2.1 (I2V), wan2.2 (I2V-A14B) or wan2.2-ti2v (TI2V-5B)"
         )
-    z, mask_channels = 4, 4  # tiny_wan_vae_4x: z channels; its temporal factor is the mask's channel count
+    z, mask_channels = 4, 4  # tiny_wan_vae(factor=4): z channels; its temporal factor is the mask's channel count
     extra: dict[str, Any] = {}
     if variant == "wan2.2-ti2v":
         config = dict(in_channels=z, out_channels=z)
@@ -144,12 +125,12 @@ def save_tiny_wan_i2v_pipeline(
     pipe = WanImageToVideoPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
-        vae=tiny_wan_vae_4x(seed + 2, z),
+        vae=tiny_wan_vae(seed + 2, z, factor=4),
         scheduler=UniPCMultistepScheduler(**scheduler_kwargs("wan")),
         transformer=transformer,
         **extra,
     )
-    return _save(pipe, folder)
+    return save_pipeline(pipe, folder)
 
 
 # family -> (writer, options): the image-conditioned families the trainer reads from a pipeline folder

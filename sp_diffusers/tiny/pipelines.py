@@ -16,7 +16,8 @@ from ..families.scheduler_configs import scheduler_kwargs
 from .specs import tiny_model
 from .text_parts import (
     char_tokenizer,
-    require_weights,
+    flux_parts,
+    save_pipeline,
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_qwen25vl,
@@ -41,15 +42,6 @@ __all__ = [
 WAN_SCHEDULER_CONFIG = scheduler_kwargs("wan")
 
 
-def _save(pipe: Any, folder: str | os.PathLike) -> Path:
-    import torch
-
-    pipe.save_pretrained(folder)
-    models = [Path(folder) / name for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)]
-    require_weights(f"save_tiny_pipeline ({type(pipe).__name__})", models)
-    return Path(folder)
-
-
 def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
     """A tiny ``StableDiffusion3Pipeline``: the tiny SD3 transformer, two ``CLIPTextModelWithProjection`` (16 wide,
     pooled 16 + 16 = the transformer's pooled_projection_dim), a ``T5EncoderModel`` (32 = its joint_attention_dim),
@@ -68,7 +60,7 @@ def save_tiny_sd3_pipeline(folder: str | os.PathLike, seed: int = 0, **transform
         text_encoder_3=tiny_t5(seed + 2, transformer.config.joint_attention_dim),
         tokenizer_3=char_tokenizer(512),
     )
-    return _save(pipe, folder)
+    return save_pipeline(pipe, folder)
 
 
 def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
@@ -85,7 +77,7 @@ def save_tiny_qwenimage_pipeline(folder: str | os.PathLike, seed: int = 0, **tra
         tokenizer=char_tokenizer(1024 + 34),
         transformer=transformer,
     )
-    return _save(pipe, folder)
+    return save_pipeline(pipe, folder)
 
 
 def save_tiny_flux_pipeline(
@@ -95,19 +87,10 @@ def save_tiny_flux_pipeline(
     (``guidance_embeds``; FLUX.1-schnell has none), a ``CLIPTextModel`` (pooled 16 = pooled_projection_dim) and a
     ``T5EncoderModel`` (32 = joint_attention_dim) with character tokenizers, an ``AutoencoderKL`` (Flux's scaling
     and shift; latent channels = in_channels / 4, packed 2 x 2 by the pipeline) and FLUX.1-dev's scheduler config."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FluxPipeline
 
     transformer = tiny_model("flux", seed=seed, guidance_embeds=guidance_embeds, **transformer_overrides)
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("flux")),
-        vae=tiny_autoencoder_kl(seed + 3, transformer.config.in_channels // 4, 0.3611, 0.1159),
-        text_encoder=tiny_clip_text(seed + 1, transformer.config.pooled_projection_dim, projection=False),
-        tokenizer=char_tokenizer(77),
-        text_encoder_2=tiny_t5(seed + 2, transformer.config.joint_attention_dim),
-        tokenizer_2=char_tokenizer(512),
-        transformer=transformer,
-    )
-    return _save(pipe, folder)
+    return save_pipeline(FluxPipeline(transformer=transformer, **flux_parts(seed, transformer)), folder)
 
 
 def save_tiny_wan_pipeline(
@@ -136,7 +119,7 @@ def save_tiny_wan_pipeline(
         transformer=transformer,
         **extra,
     )
-    return _save(pipe, folder)
+    return save_pipeline(pipe, folder)
 
 
 # family -> writer: the families the trainer reads from a pipeline folder (wan2.2: save_tiny_wan_pipeline(experts=2))

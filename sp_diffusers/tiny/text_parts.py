@@ -16,7 +16,9 @@ import torch
 
 __all__ = [
     "char_tokenizer",
+    "flux_parts",
     "require_weights",
+    "save_pipeline",
     "save_tiny_clip",
     "tiny_autoencoder_kl",
     "tiny_clip_text",
@@ -159,68 +161,6 @@ def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
     return qwen25vl(seed, hidden, len(WORDS), 2048)
 
 
-def tiny_autoencoder_kl(seed: int, latent_channels: int, scaling: float, shift: float) -> Any:
-    """``AutoencoderKL`` (SD3's and Flux's VAE class): 2x spatial compression, ``latent_channels``."""
-    from diffusers import AutoencoderKL
-
-    return _seeded(
-        seed,
-        lambda: AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=latent_channels,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 8),
-            layers_per_block=1,
-            norm_num_groups=4,
-            sample_size=16,
-            scaling_factor=scaling,
-            shift_factor=shift,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-    )
-
-
-def tiny_qwenimage_vae(seed: int, z_dim: int) -> Any:
-    """``AutoencoderKLQwenImage``: 2x spatial compression (one down block), ``z_dim`` channels."""
-    from diffusers import AutoencoderKLQwenImage
-
-    return _seeded(
-        seed,
-        lambda: AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False],
-            latents_mean=[0.1 * i for i in range(z_dim)],
-            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
-        ),
-    )
-
-
-def tiny_wan_vae(seed: int, z_dim: int) -> Any:
-    """``AutoencoderKLWan``: 2x spatial and 2x temporal compression, ``z_dim`` channels."""
-    from diffusers import AutoencoderKLWan
-
-    return _seeded(
-        seed,
-        lambda: AutoencoderKLWan(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[True],
-            latents_mean=[0.1 * i for i in range(z_dim)],
-            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
-            scale_factor_temporal=2,
-            scale_factor_spatial=2,
-        ),
-    )
-
-
 def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
     """Write a tiny random ``CLIPModel`` (32 x 32 images), its character tokenizer and a ``preprocessor_config.json``
     to ``folder``: what ``sp_diffusers.flowgrpo.rewards.clip`` reads from a downloaded CLIP."""
@@ -258,3 +198,101 @@ def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:
         )
     )
     return folder
+def tiny_autoencoder_kl(seed: int, latent_channels: int, scaling: float, shift: float, factor: int = 2) -> Any:
+    """``AutoencoderKL`` (SD3's and FLUX.1's VAE class), ``latent_channels``, compressing ``factor`` (2, or 8 with
+    four blocks as the released one) spatially."""
+    from diffusers import AutoencoderKL
+
+    blocks, width, groups, size = (2, 8, 4, 16) if factor == 2 else (4, 4, 2, 64)
+    return _seeded(
+        seed,
+        lambda: AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * blocks,
+            up_block_types=("UpDecoderBlock2D",) * blocks,
+            block_out_channels=(width,) * blocks,
+            layers_per_block=1,
+            norm_num_groups=groups,
+            sample_size=size,
+            scaling_factor=scaling,
+            shift_factor=shift,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+    )
+
+
+def _latent_stats(z_dim: int) -> dict[str, list[float]]:
+    return {"latents_mean": [0.1 * i for i in range(z_dim)], "latents_std": [1.0 + 0.1 * i for i in range(z_dim)]}
+
+
+def tiny_qwenimage_vae(seed: int, z_dim: int, factor: int = 2) -> Any:
+    """``AutoencoderKLQwenImage`` compressing ``factor`` (2: one down block; 8: three, as the released one) spatially,
+    ``z_dim`` channels."""
+    from diffusers import AutoencoderKLQwenImage
+
+    downs = {2: 1, 8: 3}[factor]
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLQwenImage(
+            base_dim=8 if factor == 2 else 4,
+            z_dim=z_dim,
+            dim_mult=[1] * (downs + 1),
+            num_res_blocks=1,
+            temperal_downsample=[False] * downs,
+            **_latent_stats(z_dim),
+        ),
+    )
+
+
+def tiny_wan_vae(seed: int, z_dim: int, factor: int = 2) -> Any:
+    """``AutoencoderKLWan`` compressing ``factor`` (2 or 4) in space and in time, ``z_dim`` channels. At 4 its
+    encoder takes a first frame and then chunks of 4 frames, as an image-to-video condition (the first frame and
+    zeros) needs."""
+    from diffusers import AutoencoderKLWan
+
+    downs = {2: 1, 4: 2}[factor]
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLWan(
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1] * (downs + 1),
+            num_res_blocks=1,
+            temperal_downsample=[True] * downs,
+            **_latent_stats(z_dim),
+            scale_factor_temporal=factor,
+            scale_factor_spatial=factor,
+        ),
+    )
+
+
+def save_pipeline(pipe: Any, folder: str | os.PathLike) -> Path:
+    """``pipe`` written to ``folder`` by ``save_pretrained``, refused where a model's weights were not written."""
+    import torch
+
+    pipe.save_pretrained(folder)
+    models = [Path(folder) / name for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)]
+    require_weights(f"save_tiny_pipeline ({type(pipe).__name__})", models)
+    return Path(folder)
+
+
+def flux_parts(seed: int, transformer: Any, vae_factor: int = 2) -> dict[str, Any]:
+    """FLUX.1's components around ``transformer``: its scheduler config, an ``AutoencoderKL`` with Flux's scaling and
+    shift compressing ``vae_factor`` (latent channels = in_channels / 4), CLIP (pooled) and T5 with character
+    tokenizers."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from ..families.scheduler_configs import scheduler_kwargs
+
+    cfg = transformer.config
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("flux")),
+        vae=tiny_autoencoder_kl(seed + 3, cfg.in_channels // 4, 0.3611, 0.1159, factor=vae_factor),
+        text_encoder=tiny_clip_text(seed + 1, cfg.pooled_projection_dim, projection=False),
+        tokenizer=char_tokenizer(77),
+        text_encoder_2=tiny_t5(seed + 2, cfg.joint_attention_dim),
+        tokenizer_2=char_tokenizer(512),
+    )

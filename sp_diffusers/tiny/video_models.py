@@ -22,7 +22,7 @@ def _cogvideox_rope(cfg: Any, frames: int, image_hw: tuple[int, int]) -> tuple[t
     return cos, sin
 
 
-def _wan_config() -> dict[str, Any]:
+def wan_config() -> dict[str, Any]:
     return dict(
         patch_size=(1, 2, 2),
         num_attention_heads=4,
@@ -181,7 +181,7 @@ def _cogvideox_inputs(model: torch.nn.Module, r: InputRequest) -> dict[str, Any]
     return inputs
 
 
-register("wan", TinyKind(_wan_config, _wan_inputs, ("first_frame_timestep", "clip_tokens")))
+register("wan", TinyKind(wan_config, _wan_inputs, ("first_frame_timestep", "clip_tokens")))
 register("hunyuanvideo", TinyKind(_hunyuanvideo_config, _hunyuanvideo_inputs))
 register("cogvideox", TinyKind(_cogvideox_config, _cogvideox_inputs))
 register("hunyuanvideo15", TinyKind(_hunyuanvideo15_config, _hunyuanvideo15_inputs))

@@ -21,12 +21,9 @@ from .text_parts import WORDS, _seeded, qwen25vl
 __all__ = [
     "QWEN_VL_SPECIAL",
     "save_qwen_vl_processor",
-    "tiny_autoencoder_kl_8x",
     "tiny_clip_vision",
     "tiny_qwen25vl_vision",
     "tiny_qwen_vl_processor",
-    "tiny_qwenimage_vae_8x",
-    "tiny_wan_vae_4x",
 ]
 
 # the Qwen2.5-VL chat / vision tokens the edit pipelines' templates use, appended to the character vocabulary
@@ -114,64 +111,3 @@ def tiny_clip_vision(seed: int, hidden: int = 16) -> tuple[Any, Any]:
     return processor, _seeded(seed, lambda: CLIPVisionModel(config)).eval()
 
 
-def tiny_autoencoder_kl_8x(seed: int, latent_channels: int, scaling: float, shift: float) -> Any:
-    """``AutoencoderKL`` (FLUX.1's VAE class) compressing 8x spatially (four blocks, as the released one)."""
-    from diffusers import AutoencoderKL
-
-    return _seeded(
-        seed,
-        lambda: AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(4, 4, 4, 4),
-            layers_per_block=1,
-            norm_num_groups=2,
-            sample_size=64,
-            scaling_factor=scaling,
-            shift_factor=shift,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ),
-    )
-
-
-def tiny_wan_vae_4x(seed: int, z_dim: int) -> Any:
-    """``AutoencoderKLWan`` compressing 4x in space and time: its encoder takes a first frame and then chunks of 4
-    frames, so an image-to-video condition (the first frame and zeros) needs the temporal factor 4 it is built for."""
-    from diffusers import AutoencoderKLWan
-
-    return _seeded(
-        seed,
-        lambda: AutoencoderKLWan(
-            base_dim=8,
-            z_dim=z_dim,
-            dim_mult=[1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[True, True],
-            latents_mean=[0.1 * i for i in range(z_dim)],
-            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
-            scale_factor_temporal=4,
-            scale_factor_spatial=4,
-        ),
-    )
-
-
-def tiny_qwenimage_vae_8x(seed: int, z_dim: int) -> Any:
-    """``AutoencoderKLQwenImage`` compressing 8x spatially (three down blocks, as the released one)."""
-    from diffusers import AutoencoderKLQwenImage
-
-    return _seeded(
-        seed,
-        lambda: AutoencoderKLQwenImage(
-            base_dim=4,
-            z_dim=z_dim,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, False, False],
-            latents_mean=[0.1 * i for i in range(z_dim)],
-            latents_std=[1.0 + 0.1 * i for i in range(z_dim)],
-        ),
-    )

@@ -10,21 +10,12 @@ from typing import Any
 import torch
 
 from .specs import InputRequest, TinyKind, register
+from .video_models import wan_config
 
 
 def _wan_like(**extra: Any) -> dict[str, Any]:
-    return dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        **extra,
-    )
+    """The tiny Wan config (without its RoPE length) and each variant's own keys."""
+    return {**{k: v for k, v in wan_config().items() if k != "rope_max_seq_len"}, **extra}
 
 
 def _chronoedit_config() -> dict[str, Any]:

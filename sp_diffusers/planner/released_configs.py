@@ -1,0 +1,48 @@
+"""The transformer configs of released checkpoints that several built-ins share (each repository's
+``transformer/config.json``, the keys that size the model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FLUX_DEV", "QWEN_IMAGE", "WAN_14B"]
+
+WAN_14B: dict[str, Any] = {  # Wan-AI/Wan2.1-T2V-14B-Diffusers
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "added_kv_proj_dim": None,
+}
+
+QWEN_IMAGE: dict[str, Any] = {  # Qwen/Qwen-Image
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+}
+FLUX_DEV: dict[str, Any] = {  # black-forest-labs/FLUX.1-dev
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
