@@ -1,36 +1,16 @@
 """Ending a process that used gloo cleanly: its worker threads are joined before the interpreter finalizes.
 
-The abort: ``terminate called without an active exception`` (SIGABRT) as a rank exits, after it did all its
-work. Seen most on a rank that never reads its output (nothing follows its last collective), and on a loaded
-host. A core dump shows the main thread finalizing the interpreter while a gloo worker thread
-(``ProcessGroupGloo::runLoop``) destroys a finished work (``AsyncAllgatherWork``, ``AsyncAlltoallWork``) and
-waits for the GIL inside ``TensorImpl::decref_pyobject``; ``take_gil`` sees the interpreter finalizing and
-ends the thread with ``pthread_exit``, whose unwinding crosses a ``noexcept`` destructor: ``std::terminate``.
+Without it a rank that did all its work may abort as it exits (SIGABRT, ``terminate called without an active
+exception``): a gloo worker thread still releasing a finished collective's tensors needs the GIL while the main
+thread finalizes the interpreter. Only a ``ProcessGroupGloo``'s destructor joins its workers, and a model's
+``DeviceMesh`` and reference cycles keep the groups alive until too late (docs/reliability.md, "No abort at
+exit", has the diagnosis).
 
-Why a finished work still holds anything: a gloo collective runs on one of the group's worker threads, and
-the caller's ``wait()`` returns as soon as that worker marks the work complete; the worker drops its own
-reference a moment later. Whichever of the two drops last destroys the work, and on a busy host that is
-often the worker. The work holds the collective's tensors, which came from Python; with torch's PyObject
-preservation (torch 2.13 measured) releasing a tensor that Python also references decrements its PyObject,
-which needs the GIL. While the program runs that costs the worker one GIL hand-off; if the main thread
-reaches ``Py_FinalizeEx`` first, the worker dies in the destructor. No particular collective is at fault
-(cores show the attention all-to-all and the output all-gather alike), so no change to one collective
-removes it; joining the workers while the interpreter is whole does. Only ``ProcessGroupGloo``'s destructor
-joins them (its ``shutdown()`` and ``abort()`` do nothing); it runs when the last reference to the group
-goes, with the GIL released, so a worker still releasing a work takes the GIL and finishes.
-``destroy_process_group()`` alone does not get there: a model's ``DeviceMesh`` keeps its groups
-(``_pg_registry``), and a model sits in reference cycles (diffusers' hooks), freed only by the collection
-that ``Py_FinalizeEx`` itself runs after finalization has begun - too late.
-
-What the hook does (``atexit``, registered by ``sp_diffusers.install()``; atexit callbacks run before
-finalization): if the program left torch.distributed initialized and every group is gloo, it destroys the
-groups (what torch asks every program to do before it exits; gloo's teardown is local, no peer is
-contacted). It then collects garbage, and drops the references live meshes keep to destroyed gloo groups
-(a destroyed group cannot be used again): every group is destructed there, its workers joined while they
-can still take the GIL. A program that destroyed its groups itself (torch's advice, diffusers' test
-harness) gets the collection and the meshes' part. NCCL (or mixed) groups are left to the program: their
-teardown may wait on peers. Not covered: a ``ProcessGroup`` object the program itself still references at
-exit (e.g. ``group = dist.new_group(...)`` in a module global); docs/troubleshooting.md says what to do.
+The hook (``atexit``, registered by ``sp_diffusers.install()``; atexit runs before finalization): if the program
+left torch.distributed initialized and every group is gloo, it destroys the groups (gloo's teardown is local),
+collects garbage and drops the references live meshes keep to destroyed gloo groups, so every group is
+destructed while its workers can still take the GIL. NCCL (or mixed) groups are left to the program (their
+teardown may wait on peers), as is a ``ProcessGroup`` the program itself still references at exit.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .base import FamilyAdapter
 from .decode import PackedTokens, unpack_2x2
@@ -35,12 +36,7 @@ class QwenImageAdapter(PackedTokens):
         return decoded[:, :, 0]
 
     def inputs(
-        self,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor,
-        pooled: torch.Tensor | None = None,
+        self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
     ) -> dict[str, Any]:
         batch = latents.shape[0]
         kwargs: dict[str, Any] = dict(
@@ -86,12 +82,7 @@ class SD3Adapter(FamilyAdapter):
         return decoded
 
     def inputs(
-        self,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor,
-        pooled: torch.Tensor | None = None,
+        self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
     ) -> dict[str, Any]:
         batch = latents.shape[0]
         if pooled is None:
@@ -144,12 +135,7 @@ class WanAdapter(FamilyAdapter):
         return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
 
     def inputs(
-        self,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor,
-        pooled: torch.Tensor | None = None,
+        self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
     ) -> dict[str, Any]:
         batch = latents.shape[0]
         text = embeds * mask.to(embeds.dtype)[..., None]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from .decode import PackedTokens, unpack_2x2
 
@@ -49,12 +50,7 @@ class FluxAdapter(PackedTokens):
         return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
 
     def inputs(
-        self,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        embeds: torch.Tensor,
-        mask: torch.Tensor,
-        pooled: torch.Tensor | None = None,
+        self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
     ) -> dict[str, Any]:
         batch, dtype, device = latents.shape[0], latents.dtype, latents.device
         text = _fixed_length(embeds, mask, self.text_len)

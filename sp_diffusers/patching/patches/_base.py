@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 logger = logging.getLogger("sp_diffusers.patching.patches")
 
+
 @dataclass(frozen=True)
 class Probe:
     """Whether the installed diffusers (on this host) has the defect, and why we think so."""
 
     needed: bool
     reason: str
-
-

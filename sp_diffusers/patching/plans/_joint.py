@@ -20,6 +20,7 @@ from ...parallel.cp_groups import cp_groups, stream_sizes
 from ...parallel.exchange import to_all_to_all_order
 
 __all__ = [
+    "attend",
     "block_parallel_config",
     "bound_args",
     "joint_sizes",
@@ -70,6 +71,18 @@ def text_key_mask(
     )
     order = (text, other) if text_first else (other, text)
     return to_all_to_all_order(joint, 1, *order)[:, None, None, :]  # [B, 1, 1, T + N]
+
+
+def attend(
+    processor: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any
+) -> torch.Tensor:
+    """``[B, S, H, D]`` q, k, v -> ``[B, S, H * D]``: attention through diffusers' dispatcher with
+    ``processor``'s backend and parallel config (so ``ulysses_sdpa`` and context parallelism apply)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    backend, config = processor._attention_backend, processor._parallel_config
+    out = dispatch_attention_fn(query, key, value, attn_mask=mask, backend=backend, parallel_config=config)
+    return out.flatten(2, 3).to(query.dtype)
 
 
 def block_parallel_config(block: torch.nn.Module) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...parallel.cp_groups import cp_world
-from ._joint import joint_sizes, text_key_mask
+from ._joint import attend, joint_sizes, text_key_mask
 from .assignments import register_plan, swap_processors
 
 __all__ = ["CogVideoXJointAttnProcessor"]
@@ -40,7 +40,6 @@ class CogVideoXJointAttnProcessor:
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         encoder_hidden_states_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.embeddings import apply_rotary_emb
 
         world = cp_world(self._parallel_config)
@@ -97,17 +96,7 @@ class CogVideoXJointAttnProcessor:
                     dim=1,
                 )
 
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(query.dtype)  # [B, S, H * D]
+        out = attend(self, query, key, value, mask)  # [B, S, H * D]
         out = attn.to_out[1](attn.to_out[0](out))
         text_out, video_out = out.split([text_local, length - text_local], dim=1)
         return video_out, text_out

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ._joint import attend
 from .assignments import register_plan, swap_processors
 
 __all__ = ["HunyuanVideo15KeyMaskAttnProcessor"]
@@ -39,7 +40,6 @@ class HunyuanVideo15KeyMaskAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.embeddings import apply_rotary_emb
 
         def heads(x: torch.Tensor) -> torch.Tensor:
@@ -69,17 +69,7 @@ class HunyuanVideo15KeyMaskAttnProcessor:
             # [B, T] context mask -> [B, 1, 1, S] over [video, context]: the video keys are always valid
             video = query.shape[1] - attention_mask.shape[1]
             mask = torch.nn.functional.pad(attention_mask.bool(), (video, 0), value=True)[:, None, None, :]
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(query.dtype)
+        out = attend(self, query, key, value, mask)
         if encoder_hidden_states is None:
             return out, None
         out, context_out = out[:, : out.shape[1] - context], out[:, out.shape[1] - context :]

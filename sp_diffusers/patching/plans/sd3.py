@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ._joint import joint_sizes, text_key_mask
+from ._joint import attend, joint_sizes, text_key_mask
 from .assignments import register_plan, swap_processors
 
 __all__ = ["SD3JointAttnProcessor"]
@@ -43,7 +43,6 @@ class SD3JointAttnProcessor:
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         if attention_mask is not None:
             raise ValueError(
@@ -80,15 +79,7 @@ class SD3JointAttnProcessor:
                 mask = text_key_mask(
                     encoder_hidden_states_mask, text_sizes, image_sizes, False, type(self).__name__
                 )
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        out = out.flatten(2, 3).to(query.dtype)
+        out = attend(self, query, key, value, mask)
         if encoder_hidden_states is None:
             return attn.to_out[1](attn.to_out[0](out))
         image_out, text_out = out[:, :image_tokens], out[:, image_tokens:]
