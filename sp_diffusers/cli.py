@@ -199,6 +199,7 @@ def _sample(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_sequence_length=args.max_sequence_length,
         images=args.image,
+        compile=args.compile,
     )
     if path is not None:
         note = " (no MP4 writer: pip install imageio imageio-ffmpeg)" if path.suffix != Path(args.out).suffix else ""
@@ -228,6 +229,12 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0, help="the noise seed (the same on every rank)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the pipeline's dtype")
+    p.add_argument(
+        "--compile",
+        default="off",
+        choices=("off", "blocks", "model"),
+        help="torch.compile the transformer's blocks or whole forward (as train.compile)",
+    )
     p.set_defaults(func=_sample)
 
 

@@ -202,6 +202,11 @@ def test_sample_renders_under_sp_a_png_and_a_video(exported, trained):
     assert (
         a.shape == (16, 34, 3) and np.abs(a - b).max() <= 1
     )  # base + LoRA under SP = the merged export, to uint8
+    compiled = root / "sample-compiled.png"
+    argv = ["sample", "--pipeline", str(root / "export" / "qwenimage"), "--out", str(compiled), *common]
+    assert main([*argv, "--compile", "blocks"]) == 0
+    c = np.asarray(Image.open(compiled), dtype=np.int16)
+    assert c.shape == b.shape and np.abs(c - b).max() <= 1  # compiled blocks = eager, to uint8
     video = root / "sample.mp4"
     assert (
         main(

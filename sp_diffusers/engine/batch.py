@@ -21,12 +21,15 @@ TEXT_KEYS = (
 
 def prepare_batch(engine: BatchOwner, batch: dict[str, Any]) -> dict[str, Any]:
     """Dense, on-device, identical on every SP rank (see ``FSDPEngine.prepare_batch``)."""
-    multiple = engine.sp_size if engine.settings.pad_text_to_degree else 1
+    compiled = engine.settings.compile != "off"  # length buckets: a few shapes, each one graph
+    multiple = engine.sp_size if engine.settings.pad_text_to_degree or compiled else 1
     # on the device first (lists of ragged tensors too), so padding runs there and makes nothing on the CPU
     out = {k: to_device(v, engine.device) for k, v in batch.items()}
     for emb_key, mask_key in TEXT_KEYS:
         if emb_key in out and out[emb_key] is not None:
-            out[emb_key], out[mask_key] = pad_text_batch(out[emb_key], out.get(mask_key), multiple, emb_key)
+            out[emb_key], out[mask_key] = pad_text_batch(
+                out[emb_key], out.get(mask_key), multiple, emb_key, bucket=compiled
+            )
     if engine.debug_checks:
         engine.verify_sp_consistency(out, "batch (before broadcast)")
     return broadcast_in_sp_group(engine, out)

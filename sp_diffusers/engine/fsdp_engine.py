@@ -31,6 +31,7 @@ from ..parallel.mesh import MeshError, ParallelDims
 from . import batch as batches
 from . import checkpoint as ckpt
 from . import held_params, sharding
+from .compiling import compile_model
 from .consistency import SPDivergenceError, verify_sp_consistency
 from .model_setup import add_lora, check_cp_plan, control_groups, materialize_everywhere
 from .optim import average_replicated_grads, training_state
@@ -117,6 +118,9 @@ class FSDPEngine:
         if s.lora is not None:
             add_lora(model, s.lora)
         check_cp_plan(model)
+        # before the plan's hooks wrap the forwards: those hooks, FSDP2's and the scope's run eagerly around the
+        # graphs, so every block of a class shares its graphs
+        compile_model(model, s.compile, fullgraph=s.compile == "blocks" or not (s.use_fsdp and distributed))
         model.set_attention_backend(s.attention_backend)
         if dims.sp > 1:
             model.enable_parallelism(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..patching.backend_registration import BACKEND_NAME
+from .compiling import COMPILE_MODES
 
 __all__ = ["EngineSettings", "LoraSettings", "OptimSettings"]
 
@@ -86,6 +87,9 @@ class EngineSettings:
             (each rank reads only its shards), a state dict of full tensors, a callable ``init(model)``, or
             ``"empty"`` (left uninitialised: tracing under ``FakeTensorMode``, or a checkpoint load follows).
             None for a model whose parameters hold values already.
+        compile: ``"off"``, ``"blocks"`` (torch.compile each block's forward, fullgraph) or ``"model"`` (the
+            whole forward; fullgraph unless FSDP shards the blocks, whose hooks then split the graph); see
+            ``engine/compiling.py``.
     """
 
     ulysses_sequence_parallel_size: int = 1
@@ -104,8 +108,11 @@ class EngineSettings:
     frozen: bool = False
     ema_decay: float | None = None
     ema_interval: int = 8
+    compile: str = "off"
 
     def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r} is not one of {COMPILE_MODES}")
         if self.frozen and self.lora is not None:
             raise ValueError("EngineSettings(frozen=True, lora=...): a frozen model trains nothing; fix: lora=None")
         if self.mixed_precision not in (None, "bf16", "fp32"):

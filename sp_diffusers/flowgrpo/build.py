@@ -80,6 +80,7 @@ def engine_settings(
         pad_text_to_degree=p.pad_text_to_degree,
         ema_decay=config.flowgrpo.ema_decay if config.flowgrpo.ema else None,
         ema_interval=config.flowgrpo.ema_interval,
+        compile=config.train.compile,
     )
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "FLAT_KEYS",
     "GATHER_MODES",
     "LOGGERS",
+    "TEXT_OFFLOAD",
     "TINY_KIND",
     "ConfigError",
     "DanceConfig",
@@ -45,6 +46,7 @@ __all__ = [
 
 GATHER_MODES = ("auto", "always", "never")
 LOGGERS = ("jsonl", "tensorboard", "wandb")
+TEXT_OFFLOAD = ("never", "after_cache")
 
 
 class ConfigError(ValueError):
@@ -87,6 +89,9 @@ class TextConfig:
     # model.pipeline's
     pipeline: str = ""
     max_sequence_length: int = 256  # text tokens: T5 of a pipeline encoder, UMT5 (Wan pads prompts to it)
+    cache_mb: float = 4096.0  # each unique prompt encoded once per run, its encodings kept up to this; 0: off
+    # "after_cache": encode the run's whole prompt set first, then move the text encoders off the GPU; "never"
+    offload: str = "never"
 
 
 @dataclass
@@ -298,6 +303,9 @@ class TrainLoopConfig:
     # WANDB_MODE=offline keeps the run on disk, `wandb sync` uploads it later)
     loggers: list = field(default_factory=lambda: ["jsonl", "tensorboard"])
     wandb_project: str = "sp-diffusers"
+    # torch.compile of the trained transformer (and frozen experts) for rollout, recompute, update and eval:
+    # "off", "blocks" (each block's forward, fullgraph) or "model" (the whole forward); engine/compiling.py
+    compile: str = "off"
 
 
 @dataclass
@@ -403,6 +411,18 @@ def validate(config: TrainConfig) -> None:
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
         require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
     require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")
+    from ..engine.compiling import COMPILE_MODES
+
+    require(t.compile in COMPILE_MODES, "train.compile", t.compile, f"one of {', '.join(COMPILE_MODES)}")
+    text = config.text
+    require(text.cache_mb >= 0, "text.cache_mb", text.cache_mb, "MiB >= 0 (0: every batch encodes its prompts)")
+    require(text.offload in TEXT_OFFLOAD, "text.offload", text.offload, f"one of {', '.join(TEXT_OFFLOAD)}")
+    require(
+        text.offload == "never" or text.cache_mb > 0,
+        "text.offload",
+        text.offload,
+        "keeps the encodings in the cache; fix: text.cache_mb > 0, or text.offload=never",
+    )
     unknown = [x for x in t.loggers if x not in LOGGERS]
     require(not unknown, "train.loggers", t.loggers, f"each one of {', '.join(LOGGERS)} (unknown: {unknown})")
     if "wandb" in t.loggers:
@@ -439,6 +459,8 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             return float(value)
         except ValueError:
             pass
+    if expected is str and isinstance(value, bool):  # YAML 1.1 reads off / on (no / yes) as booleans
+        return "on" if value else "off"
     if expected in (int, float, str, bool, list, dict) and not isinstance(value, expected):
         raise ConfigError(f"{path} must be {expected.__name__}, got {value!r} ({type(value).__name__})")
     if expected is int and isinstance(value, bool):

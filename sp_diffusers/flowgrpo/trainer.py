@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineSettings, FSDPEngine
+from ..engine.compiling import compiled_graphs
 from ..parallel.devices import fetch_scalars, to_device
 from ..parallel.launch import init_distributed
 from ..parallel.ledger import CommLedger, as_metrics, comm_phase
+from ..parallel.padding import length_bucket
 from .algorithms.base import StepContext
 from .algorithms.registry import algorithm_for
 from .algorithms.selection import kept_samples
@@ -44,7 +46,7 @@ from .build import (
     check_run,
     run_schedule,
 )
-from .config import TrainConfig, validate
+from .config import ConfigError, TrainConfig, validate
 from .io.data import PromptRow, PromptStream, read_prompts
 from .io.evaluate import Evaluator
 from .io.metrics import RunLog
@@ -117,7 +119,9 @@ class FlowGRPOTrainer:
             c, self.engine.model, self.text_encoder, self.adapter, train_rows + eval_rows
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
-        self.prompt_encoder = PromptEncoder(self.text_encoder, self.conditioner, negative=c.flowgrpo.cfg_scale > 1.0)
+        self.prompt_encoder = PromptEncoder(
+            self.text_encoder, self.conditioner, negative=c.flowgrpo.cfg_scale > 1.0, cache_mb=c.text.cache_mb
+        )
         vae = load_vae(c)  # model.pipeline's: pixels for rewards and sample grids
         self.decoder = (
             PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
@@ -133,6 +137,7 @@ class FlowGRPOTrainer:
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
         # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
         self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
+        self.prepare_prompts([*(train_rows or [PromptRow(p) for p in self.prompts]), *eval_rows])
         self.data_base = (0, 0)
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -170,10 +175,28 @@ class FlowGRPOTrainer:
     def reward(self, fn: Reward | None) -> None:
         self.scorer.override = fn
 
+    def prepare_prompts(self, rows: list[PromptRow]) -> None:
+        """Encode the run's prompt set up front where asked: ``text.offload: after_cache`` (then the text encoders
+        leave the GPU), or a compiled model (every batch's text then takes the longest prompt's length bucket:
+        one text shape, one graph per block class and phase)."""
+        c = self.config
+        if c.text.offload == "never" and c.train.compile == "off":
+            return
+        if self.conditioner is not None and c.text.offload != "never":
+            raise ConfigError(
+                f"text.offload={c.text.offload} keeps text encodings, but an image-conditioned pipeline encodes each "
+                "prompt with its images every batch; fix: text.offload=never"
+            )
+        sp = self.engine.sp_size
+        bucket = (lambda n: length_bucket(n, sp)) if c.train.compile != "off" else (lambda n: 0)
+        self.prompt_encoder.prepare([r.prompt for r in rows], bucket)
+        if c.text.offload == "after_cache":
+            self.text_encoder.offload()
+
     # ---------------------------------------------------------------------------------------- one iteration
 
     def train_iteration(self, iteration: int) -> dict[str, Any]:
-        start = time.perf_counter()
+        start, encoding = time.perf_counter(), self.prompt_encoder.cache.seconds
         batch = self.iteration_batch(iteration).prepared(self.engine)
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
@@ -184,6 +207,7 @@ class FlowGRPOTrainer:
             metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1
         metrics["seconds"] = time.perf_counter() - start
+        metrics["text_encode_seconds"] = self.prompt_encoder.cache.seconds - encoding
         return metrics
 
     def iteration_batch(self, iteration: int) -> IterationBatch:
@@ -427,6 +451,8 @@ class FlowGRPOTrainer:
             )  # this rank's collectives, as metrics.jsonl keeps them
             metrics["rollout_gathered_once"] = float(bool(self._gather_once))
             metrics["update_gathered_once"] = float(bool(self._update_gather))
+            if c.compile != "off":  # every graph dynamo compiled in this process so far (bounded: no recompiles)
+                metrics["compile_graphs"] = float(compiled_graphs())
             self.log.append(metrics)  # and the progress bar
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
                 self.save(it + 1)

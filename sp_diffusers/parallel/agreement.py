@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from .gathers import gather_ints
+from .ledger import comm_kind
 
 __all__ = [
     "MODES",
@@ -63,8 +64,10 @@ __all__ = [
     "SPCallMismatch",
     "agree",
     "agree_forward",
+    "compilable",
     "current",
     "describe",
+    "layout_by_view",
     "mark_outputs",
     "piece_sizes",
     "rank_agreement",
@@ -223,6 +226,23 @@ def describe(name: str, value: Any, out: list[tuple[str, str]] | None = None) ->
     return out
 
 
+def _agree_traced(digest: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    """The agreement inside a compiled forward: the same all-gather, checked by an assertion in the graph (no
+    host read; on a mismatch every rank fails alike, and an eager forward names the input that differs)."""
+    import torch.distributed._functional_collectives as funcol
+
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    with comm_kind("agreement"):
+        table = funcol.all_gather_tensor(mine, 0, group)
+    torch._assert_async(
+        (table == mine).all(),
+        "sp_diffusers: the ranks of the SP group called the compiled model with different inputs; fix: every "
+        "rank of an SP group must run the same model on the same micro-batch (run one forward uncompiled to "
+        "see which input differs)",
+    )
+
+
+@torch.compiler.assume_constant_result  # hashlib is not traceable; the signature is made of constants
 def _digest(signature: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(signature).encode(), digest_size=8).digest(), "little") >> 1
 
@@ -242,6 +262,9 @@ def agree_forward(signature: list[tuple[str, str]], group: dist.ProcessGroup, de
     """The once-per-forward agreement: one all-gather of a digest of ``signature`` (``(name, description)`` of
     the model and of every input, see :func:`describe`); on a mismatch every rank raises the same
     :class:`SPCallMismatch`, naming the first input that differs and every rank's description of it."""
+    if torch.compiler.is_compiling():
+        _agree_traced(_digest(signature), group, device)
+        return
     table = gather_ints([_digest(signature)], group, device)
     if len({row[0] for row in table}) == 1:
         return
@@ -260,6 +283,8 @@ MODES = ("per_forward", "trusted", "per_call")
 _MODE_ATTR = "_sp_diffusers_rank_agreement"
 _BOOK_SIZE = 4096  # remembered (signature, splits, call) layouts; LRU, the same on every rank
 _book: OrderedDict[Hashable, Any] = OrderedDict()
+_views: OrderedDict[Hashable, dict | None] = OrderedDict()  # (signature, split record) -> view -> layout
+_learned: OrderedDict[Hashable, bool] = OrderedDict()  # signature -> its eager forward's layouts all known by view
 _local = threading.local()
 _active: list[weakref.ref] = []  # scopes whose backward is running (for recomputed calls)
 
@@ -301,6 +326,7 @@ class ForwardScope:
         self.split_key: tuple = ()
         self.even = True
         self.layouts: dict[str, list[Any]] = {}  # kind -> every call's layout, in call order
+        self._by_split: dict[tuple, set[CallLayout]] = {}  # split record -> its attention calls' layouts
         self._next: dict[str, int] = {}
 
     # ------------------------------------------------------------------ splits
@@ -321,6 +347,34 @@ class ForwardScope:
 
     def add(self, kind: str, layout: Any) -> None:
         self.layouts.setdefault(kind, []).append(layout)
+        if kind == "attention":
+            self._by_split.setdefault(self.split_key, set()).add(layout)
+
+    def learn_views(self) -> bool:
+        """At the end of an eager forward: for each split record its attention calls ran under, whether a call's
+        own local view names its layout on every rank (then a compiled forward with these inputs finds every
+        call's per-rank lengths by its shapes alone, :func:`layout_by_view`). True where every call's does."""
+        known = True
+        for split_key, layouts in self._by_split.items():
+            unique = all(len({lay.view(r) for lay in layouts}) == len(layouts) for r in range(self.world))
+            _views[(self.signature, split_key)] = {lay.view(self.rank): lay for lay in layouts} if unique else None
+            _views.move_to_end((self.signature, split_key))
+            known = known and unique
+        while len(_views) > _BOOK_SIZE:
+            _views.popitem(last=False)
+        return known
+
+    def compilable(self) -> bool:
+        """Whether compiled code may run in this forward (see :func:`compilable`)."""
+        return self.mode != "per_call" and bool(_learned.get(self.signature))
+
+
+@torch.compiler.assume_constant_result  # a graph is specialised to its signature and split record: no lookup
+def layout_by_view(signature: Hashable, split_key: tuple, view: tuple) -> CallLayout | None:
+    """The layout of the uneven forward's call (``signature``, ``split_key``) whose local view is ``view``,
+    learned by an eager forward with the same inputs; None where it has not run or a view names two layouts."""
+    views = _views.get((signature, split_key))
+    return None if views is None else views.get(view)
 
 
 def remembered(key: Hashable) -> Any | None:
@@ -353,6 +407,19 @@ def pop(scope: ForwardScope) -> None:
     stack = _stack()
     if scope in stack:
         del stack[stack.index(scope) :]
+    if not torch.compiler.is_compiling() and scope.mode != "per_call":
+        _learned[scope.signature] = scope.even or scope.learn_views()
+        _learned.move_to_end(scope.signature)
+        while len(_learned) > _BOOK_SIZE:
+            _learned.popitem(last=False)
+
+
+def compilable(scope: ForwardScope | None) -> bool:
+    """Whether compiled code may run now. A graph cannot ask the SP group anything (a host read), so the first
+    forward of each input signature runs eagerly: it learns every call's per-rank lengths (an uneven forward's
+    by asking), and the later ones compile where each call's own shapes name its lengths on every rank. Never
+    under ``debug_checks``, which checks every call; always outside a model forward. The same on every rank."""
+    return scope is None or scope.compilable()
 
 
 def current(config: Any = None) -> ForwardScope | None:

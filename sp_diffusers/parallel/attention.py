@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .agreement import CallLayout, SPCallMismatch, agree, remember, remembered, replay
+from .agreement import CallLayout, SPCallMismatch, agree, layout_by_view, remember, remembered, replay
 from .agreement import current as current_scope
 from .cp_groups import CPGroups, cp_groups
 from .exchange import heads_to_seq, seq_to_heads
@@ -193,11 +193,22 @@ def _call_layout(query, key, attn_mask, is_causal, dropout_p, scale, error, grou
     local = (query.shape[1], key.shape[1], mask_shape) if query.dim() == 4 and key.dim() == 4 else None
 
     def handshake() -> CallLayout:
+        if torch.compiler.is_compiling():  # a graph cannot read what the ranks answer
+            raise UlyssesAttentionError(
+                "ulysses_sdpa under torch.compile: this call's per-rank lengths are unknown (a call outside a model "
+                "forward, or a sequence that does not divide the SP degree, first seen in a compiled forward); "
+                "fix: run the first forward with these shapes uncompiled, or pad sequences to a multiple of the "
+                "SP degree (parallel.pad_text_to_degree), or compile with sp_diffusers.engine.compiling"
+            )
         return agree(query, key, attn_mask, is_causal, dropout_p, scale, error, groups.cp_group)
 
     if scope is None:  # outside a model forward: a direct call, or a call recomputed in backward
         found = replay(config, "attention", CallLayout.view, local) if error is None else None
         return found or handshake()
+    if torch.compiler.is_compiling() and not scope.even and error is None:
+        layout = layout_by_view(scope.signature, scope.split_key, local)
+        if layout is not None:  # learned by an eager forward with these inputs (agreement.compilable)
+            return layout
     key_of_call = None if scope.even else scope.next_call("attention")
     if scope.mode == "per_call":
         layout = handshake()
@@ -222,7 +233,8 @@ def _call_layout(query, key, attn_mask, is_causal, dropout_p, scale, error, grou
                 "lengths depend on more than its input shapes and split lengths. Fix: "
                 "sp_diffusers.set_rank_agreement(model, 'per_call') (debug_checks) for this model"
             )
-    scope.add("attention", layout)
+    if not torch.compiler.is_compiling():  # for eager recomputation in backward; a graph recomputes itself
+        scope.add("attention", layout)
     return layout
 
 
@@ -282,8 +294,9 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
     ulysses, ring = groups.ulysses, groups.ring
     group, cp_rank = groups.ulysses_group, groups.cp_rank
     first = cp_rank - cp_rank % ulysses  # this Ulysses group's ranks (one ring segment) in the CP group
-    q_sizes = layout.q_sizes[first : first + ulysses] if layout.uneven else None
-    kv_sizes = layout.kv_sizes[first : first + ulysses] if layout.uneven else None
+    uneven = len(set(layout.q_sizes)) > 1 or len(set(layout.kv_sizes)) > 1  # (CallLayout.uneven, traceable)
+    q_sizes = layout.q_sizes[first : first + ulysses] if uneven else None
+    kv_sizes = layout.kv_sizes[first : first + ulysses] if uneven else None
 
     heads, kv_heads = query.shape[2], key.shape[2]
     padded_heads = heads
@@ -349,7 +362,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             attn_mask=attn_mask,
             is_causal=is_causal,
             scale=scale,
-            kv_sizes=seg_kv if layout.uneven else None,
+            kv_sizes=seg_kv if uneven else None,
             q_start=q_start,
             # only when there is one: ring_attention's callers and stand-ins without it stay valid
             **({"kv_mask": seg_mask} if seg_mask is not None else {}),
@@ -359,7 +372,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
             # Dropout needs one softmax over all keys: all-gather K/V instead of streaming them.
             gathered = [k, v] if seg_mask is None else [k, v, _in_slots(seg_mask[:, :, 0, :].transpose(1, 2))]
             k, v, *rows = gather_seq(
-                gathered, groups.ring_group, seg_kv if layout.uneven else None
+                gathered, groups.ring_group, seg_kv if uneven else None
             )  # [B, S_kv, H/U, D]
             if rows:
                 attn_mask = rows[0][..., 0].transpose(1, 2)[:, :, None, :]

@@ -40,7 +40,7 @@ _SEND_BUFFERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _send_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type != "cpu":
+    if device.type != "cpu" or torch.compiler.is_compiling():  # a compiled graph plans its own buffers
         return torch.empty(shape, dtype=dtype, device=device)
     numel = 1
     for n in shape:

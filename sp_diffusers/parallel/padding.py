@@ -14,11 +14,17 @@ import torch
 
 from .devices import to_device
 
-__all__ = ["PaddingError", "pad_text_batch", "pad_to_multiple", "round_up", "strip_padding"]
+__all__ = ["PaddingError", "length_bucket", "pad_text_batch", "pad_to_multiple", "round_up", "strip_padding"]
 
 
 class PaddingError(ValueError):
     """Text embeddings and masks that disagree; the message names both shapes."""
+
+
+def length_bucket(n: int, multiple: int = 1) -> int:
+    """The padded length of a sequence of ``n`` in a compiled model: the next power of two (at least 16), a
+    multiple of ``multiple``. A run's ragged prompts then take a handful of shapes, each one compiled graph."""
+    return round_up(max(16, 1 << max(n - 1, 0).bit_length()), multiple)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -43,8 +49,10 @@ def pad_text_batch(
     mask: torch.Tensor | Sequence[torch.Tensor] | None = None,
     multiple: int = 1,
     name: str = "prompt_embeds",
+    bucket: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged or padded text -> ``([B, L, D], [B, L] bool)`` with ``L`` a multiple of ``multiple``.
+    """Ragged or padded text -> ``([B, L, D], [B, L] bool)`` with ``L`` a multiple of ``multiple`` (``bucket``:
+    :func:`length_bucket`'s length).
 
     ``embeds`` is a dense ``[B, L_max, D]`` tensor (then ``mask`` ``[B, L_max]`` says which tokens are real;
     None means all are) or a list of ``[L_i, D]`` tensors (then ``mask`` may be None or a list of ``[L_i]``).
@@ -93,6 +101,8 @@ def pad_text_batch(
             keep = to_device(m, dense.device).to(torch.bool)
             dense[i, : t.shape[0]] = to_device(t, dense.device).masked_fill(~keep[:, None], 0)
             dense_mask[i, : t.shape[0]] = keep
+    if bucket:
+        multiple = length_bucket(dense.shape[1], multiple)
     return pad_to_multiple(dense, multiple, 1, 0), pad_to_multiple(dense_mask, multiple, 1, False)
 
 

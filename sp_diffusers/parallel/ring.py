@@ -103,14 +103,21 @@ class _Ring:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % size)
-        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+        rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next_rank, self.prev_rank = (rank + 1) % self.size, (rank - 1) % self.size
+        self.next = dist.get_global_rank(group, self.next_rank)
+        self.prev = dist.get_global_rank(group, self.prev_rank)
 
     def start(self, send: torch.Tensor, recv: torch.Tensor, *more: torch.Tensor) -> list:
         """Send ``send`` on and receive ``recv`` (and each further ``(send, recv)`` pair) in one batch."""
         ops = []
         pairs = [(send, recv), *zip(more[::2], more[1::2], strict=True)]
+        if torch.compiler.is_compiling():  # dynamo traces no point-to-point op: the shift as an all-to-all
+            for out, into in pairs:
+                sends = [out.numel() if p == self.next_rank else 0 for p in range(self.size)]
+                recvs = [into.numel() if p == self.prev_rank else 0 for p in range(self.size)]
+                dist.all_to_all_single(into.view(-1), out.reshape(-1), recvs, sends, group=self.group)
+            return []
         for out, into in pairs:
             ops.append(dist.P2POp(dist.isend, out, self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, into, self.prev, self.group))

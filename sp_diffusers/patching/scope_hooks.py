@@ -46,6 +46,7 @@ def _parameter_names(cls: type) -> list[str]:
     return names[1]
 
 
+@torch.compiler.assume_constant_result  # hashlib is not traceable; a compiled model has one fingerprint
 def _fingerprint(model: torch.nn.Module) -> str:
     """What identifies the model across ranks: class, parameter count and numel, first dtype, config digest."""
     params = list(model.parameters())
@@ -98,7 +99,9 @@ def _close(model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> An
     if scope is None:
         return None
     pop(scope)
-    if torch.is_grad_enabled():
+    # a compiled forward's recomputation (activation checkpointing) runs inside its compiled backward: no
+    # attention call asks for the scope there
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return mark_outputs(scope, output)
     return None
 
@@ -134,6 +137,9 @@ def split_name(plan_keys: dict[int, str], metadata: dict, cp_input: Any) -> str:
 
 def _recording(original):
     def _prepare_cp_input(self, x, cp_input):
+        expected = cp_input.expected_dims
+        if expected is not None and x.dim() != expected and torch.compiler.is_compiling():
+            return x  # diffusers leaves it whole, after a warning_once that dynamo cannot trace
         out = original(self, x, cp_input)
         scope = current()
         if out is not x and scope is not None:

@@ -91,13 +91,16 @@ def render(
     dtype: str = "fp32",
     max_sequence_length: int | None = None,
     images: list[str] | None = None,
+    compile: str = "off",
 ) -> Path | None:
     """Render ``prompts`` with ``pipeline`` and write ``out`` on rank 0 (its path there; None elsewhere); ``images``:
     the source image(s) of an editing or image-to-video pipeline (each prompt is rendered with them, one call each,
-    as those pipelines take one image batch per call)."""
+    as those pipelines take one image batch per call); ``compile``: the transformers' blocks or whole forwards
+    compiled (``sp_diffusers.engine.compiling``), as ``train.compile`` does."""
     import diffusers
     import torch.distributed as dist
 
+    from ...engine.compiling import COMPILE_MODES, compile_model
     from ..models.pipeline_io import from_pretrained
     from .media import save_image, save_video
 
@@ -108,6 +111,8 @@ def render(
         raise ConfigError(f"--pipeline {pipeline}: no model_index.json; fix: a diffusers pipeline folder")
     if ulysses < 1:
         raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
+    if compile not in COMPILE_MODES:
+        raise ConfigError(f"--compile {compile}: one of {', '.join(COMPILE_MODES)}")
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
     if (Path(pipeline) / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
@@ -129,6 +134,9 @@ def render(
             pipe.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
     pipe.to(_device())
     pipe.set_progress_bar_config(disable=True)
+    for name in ("transformer", "transformer_2"):  # before the plan's hooks wrap the forwards
+        if getattr(pipe, name, None) is not None:
+            compile_model(getattr(pipe, name), compile)
     if ulysses > 1:
         _parallelize(pipe, ulysses)
     kwargs: dict[str, Any] = {"prompt": list(prompts), "output_type": "pt"}

@@ -19,13 +19,16 @@ in [0, 1]) and ``metadata["source_images"]`` beside the row's own fields.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..io.data import PromptRow
 from ..io.images import load_row_images, source_pixels
+from .prompt_cache import PromptCache
 
 __all__ = [
     "ConditionEncoder",
@@ -106,20 +109,44 @@ class PromptEncoder:
     """Prompt rows -> what the transformer is conditioned on (``IterationBatch.cond``: each prompt's text, the empty
     prompt's for classifier-free guidance when ``negative``, an image-conditioned family's ``condition_*``) and that
     family's source pixels (None for a text-only family); each row's condition is encoded once and shared by the
-    ``repeat`` samples of its group."""
+    ``repeat`` samples of its group. A text-only family's prompts go through the text encoder once per run
+    (``prompt_cache.py``, ``cache_mb``)."""
 
-    def __init__(self, text_encoder: Any, conditioner: ConditionEncoder | None, negative: bool) -> None:
+    def __init__(
+        self, text_encoder: Any, conditioner: ConditionEncoder | None, negative: bool, cache_mb: float = 0.0
+    ) -> None:
         self.text, self.conditioner, self.negative = text_encoder, conditioner, negative
+        self.cache = PromptCache(text_encoder, cache_mb)
+        self.text_length = 0  # every prompt's text padded to this many tokens (masked), once prepare() knows it
+
+    def prepare(self, prompts: list[str], length_of: Callable[[int], int]) -> None:
+        """Encode the run's whole prompt set now (a text-only family), and pad every later prompt's text to
+        ``length_of(the longest)`` tokens: one text shape for the run (a compiled model's graphs)."""
+        if self.conditioner is not None:
+            return
+        longest = self.cache.encode_all([*prompts, *([""] if self.negative else [])])
+        self.text_length = length_of(longest)
 
     def encode(self, rows: list[PromptRow], repeat: int = 1) -> tuple[dict[str, Any], torch.Tensor | None]:
         if self.conditioner is None:
             prompts = [r.prompt for r in rows for _ in range(repeat)]
-            cond = self.text.encode_batch(prompts)
+            cond = self._padded(self.cache.encode_batch(prompts))
             if self.negative:
-                cond.update(self.text.encode_batch([""] * len(prompts), prefix="negative_"))
+                cond.update(self._padded(self.cache.encode_batch([""] * len(prompts), prefix="negative_")))
             return cond, None
         cond = self.conditioner.encode(rows, repeat, negative=self.negative)
         return cond, cond.pop("source_pixels")
+
+    def _padded(self, cond: dict[str, Any]) -> dict[str, Any]:
+        if not self.text_length:
+            return cond
+        out = dict(cond)
+        for key in [k for k in cond if k.endswith("prompt_embeds")]:
+            embeds, masks = cond[key], cond[f"{key}_mask"]
+            pad = [max(self.text_length - e.shape[0], 0) for e in embeds]  # a longer one keeps its length
+            out[key] = [F.pad(e, (0, 0, 0, n)) for e, n in zip(embeds, pad, strict=True)]
+            out[f"{key}_mask"] = [F.pad(m, (0, n), value=False) for m, n in zip(masks, pad, strict=True)]
+        return out
 
 
 def with_sources(metadata: list[dict] | None, pixels: torch.Tensor | None, count: int) -> list[dict]:

@@ -102,6 +102,9 @@ class ByteTextEncoder(torch.nn.Module):
         masks = [torch.ones(len(t), dtype=torch.bool) for t in ids]
         return embeds, masks
 
+    def offload(self) -> None:
+        """Nothing to move: the built-in encoders run on the CPU."""
+
     def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
         """``{prefix}prompt_embeds`` / ``{prefix}prompt_embeds_mask`` (ragged lists) for a trainer batch."""
         embeds, masks = self.encode(prompts)
@@ -141,6 +144,8 @@ class UMT5TextEncoder:
         hidden = self.model(tok.input_ids, tok.attention_mask).last_hidden_state.float()
         keep = torch.arange(hidden.shape[1])[None, :] < lengths[:, None]
         return hidden * keep[..., None]
+
+    offload = ByteTextEncoder.offload
 
     def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
         embeds = self.encode(prompts)
@@ -223,6 +228,14 @@ class PipelineTextEncoder:
             if module is not None:
                 module.to(self.device).requires_grad_(False).eval()
         self.max_sequence_length = max_sequence_length
+
+    def offload(self) -> None:
+        """The text encoders to the CPU (``text.offload: after_cache``: every prompt of the run is encoded)."""
+        self.device = torch.device("cpu")
+        for component in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            module = getattr(self.pipe, component, None)
+            if module is not None:
+                module.to(self.device)
 
     @property
     def hidden_size(self) -> int:

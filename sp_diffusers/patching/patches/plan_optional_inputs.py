@@ -17,8 +17,9 @@ input missing, a name not in the signature) still raises diffusers' own error.
 
 from __future__ import annotations
 
-import functools
 import inspect
+
+import torch
 
 from ..swaps import AttributeSwaps
 from ._base import Probe, logger
@@ -50,14 +51,17 @@ def probe() -> Probe:
     return Probe(False, "plan inputs left at their default are skipped")
 
 
-@functools.lru_cache(maxsize=512)
+@torch.compiler.assume_constant_result  # inspect.signature is not traceable: a compiled hook reads the answer
 def _optional_index(cls: type, identifier: str) -> int | None:
     """Position of ``identifier`` among ``cls.forward``'s arguments (without self) if it defaults to None."""
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]
-    for index, param in enumerate(params):
-        if param.name == identifier:
-            return index if param.default is None else None
-    return None
+    if (cls, identifier) not in _OPTIONAL_INDEX:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        found = (i for i, p in enumerate(params) if p.name == identifier and p.default is None)
+        _OPTIONAL_INDEX[(cls, identifier)] = next(found, None)
+    return _OPTIONAL_INDEX[(cls, identifier)]
+
+
+_OPTIONAL_INDEX: dict[tuple[type, str], int | None] = {}
 
 
 def apply() -> None:

@@ -1,0 +1,103 @@
+"""Prompt encodings kept by prompt: each unique prompt (and classifier-free guidance's empty prompt) goes
+through the text encoders once per run, however many samples, iterations and epochs use it.
+
+A run's encoder and its settings (model, ``text.max_sequence_length``, dtype) are fixed, so an entry is keyed
+by its prompt; entries are kept least-recently-used first out under ``text.cache_mb``. With the whole prompt
+set encoded up front (:meth:`PromptCache.encode_all`: ``text.offload: after_cache``, or a compiled model, which
+pads text to the longest prompt's length bucket), the text encoders can leave the GPU for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PromptCache"]
+
+@dataclass(frozen=True)
+class _Entry:
+    embeds: torch.Tensor  # [L, D]
+    mask: torch.Tensor  # [L] bool
+    pooled: torch.Tensor | None  # [P] (SD3, FLUX.1)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.embeds, self.mask] + ([self.pooled] if self.pooled is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PromptCache:
+    """``encode_batch(prompts, prefix)`` as the text encoder's, encoding only prompts it has not kept.
+
+    ``limit_mb`` <= 0 turns keeping off (every call encodes). ``seconds`` is the time spent in the encoder,
+    ``encoded`` the prompts it encoded (both cumulative)."""
+
+    def __init__(self, encoder: Any, limit_mb: float) -> None:
+        self.encoder, self.limit = encoder, int(limit_mb * 2**20)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self.seconds, self.encoded = 0.0, 0
+
+    def encode_batch(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
+        if self.limit <= 0:
+            return self._encode(prompts, prefix)
+        kept = {p: self._entries[p] for p in dict.fromkeys(prompts) if p in self._entries}
+        for p in kept:  # most recently used last
+            self._entries.move_to_end(p)
+        found = {**kept, **self._encode_missing(prompts)}  # (new entries may push kept ones out: held here)
+        entries = [found[p] for p in prompts]
+        out: dict[str, Any] = {
+            f"{prefix}prompt_embeds": [e.embeds for e in entries],
+            f"{prefix}prompt_embeds_mask": [e.mask for e in entries],
+        }
+        if entries and entries[0].pooled is not None:
+            out[f"{prefix}pooled_prompt_embeds"] = torch.stack([e.pooled for e in entries])
+        return out
+
+    def encode_all(self, prompts: Iterable[str], chunk: int = 16) -> int:
+        """Encode every prompt of ``prompts`` not kept yet, ``chunk`` at a time; returns the longest encoding's
+        length. Refused where the set does not fit ``text.cache_mb``: a later entry would push out an earlier."""
+        unique = list(dict.fromkeys(prompts))
+        for start in range(0, len(unique), chunk):
+            self._encode_missing(unique[start : start + chunk])
+        if any(p not in self._entries for p in unique):
+            need = self._bytes / max(len(self._entries), 1) * len(unique) / 2**20
+            raise ValueError(
+                f"text.cache_mb={self.limit / 2**20:g} holds {len(self._entries)} of the run's {len(unique)} "
+                f"prompts; fix: text.cache_mb={need:.0f} or more, or text.offload=never and train.compile=off"
+            )
+        return max((self._entries[p].embeds.shape[0] for p in unique), default=0)
+
+    def _encode(self, prompts: list[str], prefix: str = "") -> dict[str, Any]:
+        start = time.perf_counter()
+        out = self.encoder.encode_batch(prompts, prefix=prefix)
+        self.seconds += time.perf_counter() - start
+        self.encoded += len(prompts)
+        return out
+
+    def _encode_missing(self, prompts: list[str]) -> dict[str, _Entry]:
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._entries]
+        if not missing:
+            return {}
+        out = self._encode(missing)
+        pooled = out.get("pooled_prompt_embeds")
+        fresh = {
+            p: _Entry(  # each its own storage: a view would keep the whole batch alive
+                out["prompt_embeds"][i].clone(),
+                out["prompt_embeds_mask"][i].clone(),
+                pooled[i].clone() if pooled is not None else None,
+            )
+            for i, p in enumerate(missing)
+        }
+        for p, entry in fresh.items():
+            self._entries[p] = entry
+            self._bytes += entry.nbytes
+        while self._bytes > self.limit and self._entries:
+            _, old = self._entries.popitem(last=False)
+            self._bytes -= old.nbytes
+        return fresh
