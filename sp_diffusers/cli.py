@@ -334,9 +334,27 @@ def build_parser() -> argparse.ArgumentParser:
             description="Under torchrun with --ulysses N for SP (N processes), else one process.",
         )
     )
+    p_serve = sub.add_parser(
+        "reward-server",
+        help="serve a reward function over HTTP (flowgrpo.rewards: [{url: http://host:port}] scores through it)",
+        description="POST /score: {input, prompts, metadata, kwargs} -> {rewards}; GET /health. "
+        "docs/rewards.md, 'A reward server'.",
+    )
+    p_serve.add_argument("--reward", required=True, help="pkg.module:callable or path/to/file.py:callable")
+    p_serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p_serve.add_argument("--port", type=int, default=8000)
+    p_serve.add_argument("--max-batch", type=int, default=256, help="samples per request at most (more: refused)")
+    p_serve.set_defaults(func=_reward_server)
     p_report = sub.add_parser("report", help="print what install() applies for the installed diffusers")
     p_report.set_defaults(func=_report)
     return parser
+
+
+def _reward_server(args: argparse.Namespace) -> int:
+    from .flowgrpo.rewards.remote import serve
+
+    serve(args.reward, args.host, args.port, args.max_batch)
+    return 0
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:

@@ -49,7 +49,7 @@ def test_reward_specs_check_every_entry(monkeypatch):
         ([{"fn": "color", "weight": float("nan")}], r"rewards\[0\]\.weight=nan must be a finite number"),
         ([{"fn": "color", "input": "pixels"}], r"built-in reward 'color' reads latents"),
         ([{"fn": f"{EXAMPLE}:brightness", "input": "rgb"}], r"rewards\[0\]\.input='rgb': choose 'pixels'"),
-        ([{"weight": 1}], r"rewards\[0\] has no fn"),
+        ([{"weight": 1}], r"rewards\[0\] needs one of fn \(a callable"),
         ([{"fn": "color", "wieght": 1}], r"unknown key\(s\) \['wieght'\]"),
         (["color", "color"], r"name\(s\) \['color'\] are used twice"),
         ([{"fn": "color", "kwargs": [1]}], r"kwargs must be a mapping"),

@@ -284,7 +284,7 @@ _MODE_ATTR = "_sp_diffusers_rank_agreement"
 _BOOK_SIZE = 4096  # remembered (signature, splits, call) layouts; LRU, the same on every rank
 _book: OrderedDict[Hashable, Any] = OrderedDict()
 _views: OrderedDict[Hashable, dict | None] = OrderedDict()  # (signature, split record) -> view -> layout
-_learned: OrderedDict[Hashable, bool] = OrderedDict()  # signature -> its eager forward's layouts all known by view
+_learned: OrderedDict[Hashable, bool] = OrderedDict()  # signature -> its first forward's layouts all known by view
 _local = threading.local()
 _active: list[weakref.ref] = []  # scopes whose backward is running (for recomputed calls)
 
@@ -358,7 +358,6 @@ class ForwardScope:
         for split_key, layouts in self._by_split.items():
             unique = all(len({lay.view(r) for lay in layouts}) == len(layouts) for r in range(self.world))
             _views[(self.signature, split_key)] = {lay.view(self.rank): lay for lay in layouts} if unique else None
-            _views.move_to_end((self.signature, split_key))
             known = known and unique
         while len(_views) > _BOOK_SIZE:
             _views.popitem(last=False)
@@ -369,10 +368,10 @@ class ForwardScope:
         return self.mode != "per_call" and bool(_learned.get(self.signature))
 
 
-@torch.compiler.assume_constant_result  # a graph is specialised to its signature and split record: no lookup
 def layout_by_view(signature: Hashable, split_key: tuple, view: tuple) -> CallLayout | None:
     """The layout of the uneven forward's call (``signature``, ``split_key``) whose local view is ``view``,
-    learned by an eager forward with the same inputs; None where it has not run or a view names two layouts."""
+    learned by an eager forward with the same inputs; None where it has not run or a view names two layouts.
+    Traced, the lookup's keys become guards: a graph serves only the signature and split record it was made for."""
     views = _views.get((signature, split_key))
     return None if views is None else views.get(view)
 
@@ -407,9 +406,9 @@ def pop(scope: ForwardScope) -> None:
     stack = _stack()
     if scope in stack:
         del stack[stack.index(scope) :]
-    if not torch.compiler.is_compiling() and scope.mode != "per_call":
+    # learned once per signature and not touched again: a compiled graph's guards read these tables
+    if not torch.compiler.is_compiling() and scope.mode != "per_call" and scope.signature not in _learned:
         _learned[scope.signature] = scope.even or scope.learn_views()
-        _learned.move_to_end(scope.signature)
         while len(_learned) > _BOOK_SIZE:
             _learned.popitem(last=False)
 

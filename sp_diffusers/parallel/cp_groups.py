@@ -59,10 +59,6 @@ class CPGroups:
         return self.ulysses * self.ring
 
     @property
-    def ulysses_rank(self) -> int:
-        return dist.get_rank(self.ulysses_group)
-
-    @property
     def ring_rank(self) -> int:
         return dist.get_rank(self.ring_group) if self.ring_group is not None else 0
 

@@ -325,45 +325,26 @@ def split_sizes(total: int, world: int) -> list[int]:
     return [total // world + (r < total % world) for r in range(world)]
 
 
-def _exchange_grads(ctx, grads: Sequence[torch.Tensor], impl) -> tuple:
-    """The inverse exchange of the gradients of the inputs that need one (a mask riding along gets None)."""
-    needed = [i for i, need in enumerate(ctx.needs_input_grad[2:]) if need]
-    result: list[torch.Tensor | None] = [None] * len(grads)
-    if needed:
-        exchanged = impl([grads[i] for i in needed], ctx.group, [ctx.sizes[i] for i in needed])
-        for i, g in zip(needed, exchanged, strict=True):
-            result[i] = g
-    return (None, None, *result)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    """Forward: sequence-sharded -> head-sharded. Backward: the inverse exchange of the gradients."""
+class _Exchange(torch.autograd.Function):
+    """Forward: ``impl`` (one direction of the exchange). Backward: ``inverse`` of the gradients of the inputs
+    that need one (a mask riding along gets None)."""
 
     @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.group, ctx.sizes = group, sizes
-        out = tuple(_seq_to_heads_impl(tensors, group, sizes))
+    def forward(ctx, impl, inverse, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.inverse, ctx.group, ctx.sizes = inverse, group, sizes
+        out = tuple(impl(tensors, group, sizes))
         ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors, strict=True) if not t.requires_grad))
         return out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return _exchange_grads(ctx, grads, _heads_to_seq_impl)
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """Forward: head-sharded -> sequence-sharded. Backward: the inverse exchange of the gradients."""
-
-    @staticmethod
-    def forward(ctx, group: dist.ProcessGroup, sizes: Sequence[Sizes], *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.group, ctx.sizes = group, sizes
-        out = tuple(_heads_to_seq_impl(tensors, group, sizes))
-        ctx.mark_non_differentiable(*(o for o, t in zip(out, tensors, strict=True) if not t.requires_grad))
-        return out
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        return _exchange_grads(ctx, grads, _seq_to_heads_impl)
+        needed = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        result: list[torch.Tensor | None] = [None] * len(grads)
+        if needed:
+            exchanged = ctx.inverse([grads[i] for i in needed], ctx.group, [ctx.sizes[i] for i in needed])
+            for i, g in zip(needed, exchanged, strict=True):
+                result[i] = g
+        return (None, None, None, None, *result)
 
 
 def _check_shapes(
@@ -408,7 +389,7 @@ def seq_to_heads(
             raise ValueError(f"local sequence length {t.shape[1]} != this rank's entry of sizes {list(n)}")
     if world == 1:
         return list(tensors)
-    return list(_SeqToHeads.apply(group, sizes, *tensors))
+    return list(_Exchange.apply(_seq_to_heads_impl, _heads_to_seq_impl, group, sizes, *tensors))
 
 
 def heads_to_seq(
@@ -421,7 +402,7 @@ def heads_to_seq(
     _check_shapes(tensors, world, sizes, head_sharded=True)
     if world == 1:
         return list(tensors)
-    return list(_HeadsToSeq.apply(group, sizes, *tensors))
+    return list(_Exchange.apply(_heads_to_seq_impl, _seq_to_heads_impl, group, sizes, *tensors))
 
 
 def to_all_to_all_order(x: torch.Tensor, dim: int, first: list[int], second: list[int]) -> torch.Tensor:

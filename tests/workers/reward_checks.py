@@ -26,3 +26,15 @@ def split_scoring(rank: int, world: int, module: str) -> dict:
     except RewardError as err:
         error = str(err)
     return {"total": total, "single": single.float(), "calls": calls, "error": error}
+
+
+def remote_scoring(rank: int, world: int, url: str) -> dict:
+    """A url reward entry scored over the SP group: each rank posts its share of the samples to the server."""
+    from sp_diffusers.flowgrpo.rewards.loading import reward_specs
+    from sp_diffusers.flowgrpo.rewards.scoring import RewardSet
+
+    engine = types.SimpleNamespace(sp_rank=rank, sp_size=world, sp_group=dist.group.WORLD, device=torch.device("cpu"))
+    latents = torch.rand(5, 4, 3, generator=torch.Generator().manual_seed(0))
+    specs = reward_specs([{"url": url, "input": "latents", "weight": 2.0, "kwargs": {"scale": 0.5}}], "color")
+    total, _ = RewardSet(specs, lambda x: x.unsqueeze(1), engine=engine)(latents, [f"p{i}" for i in range(5)])
+    return {"total": total, "single": (latents.mean(dim=(1, 2)) * 0.5 * 2.0).float()}

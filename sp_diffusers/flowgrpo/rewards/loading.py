@@ -6,6 +6,9 @@ An entry::
     {fn: "pkg.module:callable" | "path/to/file.py:callable" | color | video_color | mean_latent,
      weight: 1.0, input: pixels | latents, kwargs: {...}, name: "..."}
 
+or ``{url: "http://host:port", timeout: 60, retries: 2, ...}`` instead of ``fn``: the function a reward server
+serves (``remote.py``).
+
 ``fn`` is imported on every rank (a file path is read relative to the working directory). The callable is called as
 ``fn(images_or_latents, prompts, metadata, **kwargs)`` and returns one float per sample (a tensor, an array or a
 list): ``images`` are ``[b, 3, H, W]`` (video ``[b, F, 3, H, W]``) float32 in [0, 1], decoded with the pipeline's
@@ -35,7 +38,7 @@ from .builtin import ColorLatentReward, MeanLatentReward, VideoColorReward
 __all__ = ["BUILTIN_REWARDS", "INPUTS", "RewardSpec", "entry_input", "entry_name", "load_callable", "reward_specs"]
 
 INPUTS = ("pixels", "latents")
-_KEYS = ("fn", "weight", "input", "kwargs", "name")
+_KEYS = ("fn", "url", "timeout", "retries", "weight", "input", "kwargs", "name")
 
 
 def _builtin(cls: type) -> Callable[..., Callable[..., torch.Tensor]]:
@@ -156,7 +159,7 @@ def entry_name(entry: Any) -> str:
     """How a ``flowgrpo.rewards`` entry is named before it is imported: its ``name``, else the callable's name in
     its ``fn`` (what ``__name__`` usually is)."""
     if isinstance(entry, dict):
-        return str(entry.get("name") or str(entry.get("fn")).rpartition(":")[2])
+        return str(entry.get("name") or entry.get("url") or str(entry.get("fn")).rpartition(":")[2])
     return str(entry).rpartition(":")[2]
 
 
@@ -169,10 +172,19 @@ def _entry(i: int, entry: Any) -> RewardSpec:
     unknown = sorted(set(entry) - set(_KEYS))
     if unknown:
         raise ConfigError(f"{prefix} has unknown key(s) {unknown}; valid: {', '.join(_KEYS)}")
-    if "fn" not in entry:
-        raise ConfigError(f"{prefix} has no fn; fix: fn: 'pkg.module:callable' or 'path/to/file.py:callable'")
-    ref = entry["fn"]
-    fn = load_callable(ref, f"{prefix}.fn")
+    if ("fn" in entry) == ("url" in entry):
+        raise ConfigError(
+            f"{prefix} needs one of fn (a callable: 'pkg.module:callable' or 'path/to/file.py:callable') or url (a "
+            "reward server: `sp-diffusers reward-server`), not both"
+        )
+    if "url" in entry:
+        ref, fn = entry["url"], _remote(prefix, entry)
+    else:
+        ref = entry["fn"]
+        fn = load_callable(ref, f"{prefix}.fn")
+        extra = sorted({"timeout", "retries"} & set(entry))
+        if extra:
+            raise ConfigError(f"{prefix}: {extra} apply to a url entry; fix: drop them, or serve the fn and give url")
     weight = entry.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
         raise ConfigError(f"{prefix}.weight={weight!r} must be a finite number (the total is the weighted sum)")
@@ -189,6 +201,19 @@ def _entry(i: int, entry: Any) -> RewardSpec:
     if not isinstance(name, str):
         raise ConfigError(f"{prefix}.name must be a string, got {name!r}")
     return RewardSpec(name=name, ref=ref, fn=fn, weight=float(weight), input=kind, kwargs=dict(kwargs))
+
+
+def _remote(prefix: str, entry: dict) -> Callable[..., Any]:
+    from .remote import RemoteReward
+
+    url, timeout, retries = entry["url"], entry.get("timeout", 60.0), entry.get("retries", 2)
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{prefix}.url={url!r} must be http://host:port (where `sp-diffusers reward-server` listens)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"{prefix}.timeout={timeout!r} must be seconds > 0 (one request, per try)")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ConfigError(f"{prefix}.retries={retries!r} must be an int >= 0 (tries after the first)")
+    return RemoteReward(url, float(timeout), retries)
 
 
 def reward_specs(rewards: list[Any], default: str) -> list[RewardSpec]:
