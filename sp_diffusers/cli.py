@@ -351,9 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _reward_server(args: argparse.Namespace) -> int:
+    from .flowgrpo.rewards.loading import load_callable
     from .flowgrpo.rewards.remote import serve
 
-    serve(args.reward, args.host, args.port, args.max_batch)
+    serve(load_callable(args.reward, "--reward"), args.reward, args.host, args.port, args.max_batch)
     return 0
 
 

@@ -125,13 +125,10 @@ def make_app(fn: Callable[..., Any], ref: str, max_batch: int = 256) -> Any:
     return app
 
 
-def serve(ref: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 256) -> None:
-    """``sp-diffusers reward-server``: load ``ref`` (``pkg.module:callable`` or ``file.py:callable``) and serve it."""
+def serve(fn: Callable[..., Any], ref: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 256) -> None:
+    """``sp-diffusers reward-server``: serve ``fn`` (loaded from ``ref``) until interrupted."""
     from aiohttp import web
 
-    from .loading import load_callable
-
-    fn = load_callable(ref, "--reward")
     print(f"serving {ref} on http://{host}:{port} (POST /score, GET /health)", flush=True)
     web.run_app(make_app(fn, ref, max_batch), host=host, port=port, print=None)
 
