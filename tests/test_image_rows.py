@@ -96,3 +96,57 @@ def test_rows_and_pipelines_must_agree(tmp_path):
 def _txt(tmp_path):
     (tmp_path / "p.txt").write_text("a red cat\n")
     return tmp_path / "p.txt"
+
+
+def test_every_image_mode_is_read_with_its_tonal_range(tmp_path):
+    """16-bit greys keep their tone (PIL's own convert("RGB") turned a 30000/65535 grey white), and palette, LA,
+    CMYK and an EXIF rotation come out as the 8-bit RGB the pixels show."""
+    from PIL import Image
+
+    from sp_diffusers.flowgrpo.io.images import as_rgb, load_row_images
+
+    grey16 = tmp_path / "grey16.png"
+    Image.fromarray(np.full((4, 6), 30000, dtype=np.uint16)).save(grey16)
+    with Image.open(grey16) as im:
+        assert im.mode.startswith("I")  # what a 16-bit PNG opens as
+    (rgb,) = load_row_images((str(grey16),), "rows.jsonl row 1")
+    assert rgb.mode == "RGB" and rgb.size == (6, 4)
+    assert set(np.asarray(rgb).ravel().tolist()) == {round(30000 * 255 / 65535)}  # 117, not 255
+
+    la = Image.fromarray(np.full((2, 2, 2), (90, 255), dtype=np.uint8), mode="LA")
+    assert np.asarray(as_rgb(la)).tolist() == [[[90, 90, 90]] * 2] * 2
+    palette = Image.fromarray(np.full((2, 2, 3), (10, 200, 30), dtype=np.uint8)).convert("P", palette=Image.ADAPTIVE)
+    assert np.asarray(as_rgb(palette))[0, 0].tolist() == [10, 200, 30]
+    cmyk = Image.new("CMYK", (2, 2), (0, 0, 0, 0))
+    assert np.asarray(as_rgb(cmyk))[0, 0].tolist() == [255, 255, 255]
+    floats = Image.fromarray(np.full((2, 2), 0.5, dtype=np.float32), mode="F")
+    assert np.asarray(as_rgb(floats))[0, 0].tolist() == [128, 128, 128]
+
+    rotated = tmp_path / "rotated.jpg"
+    wide = Image.fromarray(np.zeros((2, 4, 3), dtype=np.uint8))
+    exif = wide.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to show upright
+    wide.save(rotated, exif=exif)
+    (upright,) = load_row_images((str(rotated),), "rows.jsonl row 2")
+    assert upright.size == (2, 4)  # width x height once turned
+
+
+def test_sample_refuses_an_unreadable_image_in_one_line(tmp_path):
+    from PIL import Image
+
+    from sp_diffusers.flowgrpo.io.sample import _sources
+
+    good = tmp_path / "good.png"
+    noise = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)  # does not compress away
+    Image.fromarray(noise).save(good)
+    truncated = tmp_path / "truncated.png"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+
+    class Edit:  # what _sources reads of a pipeline: its class name
+        pass
+
+    Edit.__name__ = "QwenImageEditPipeline"
+    with pytest.raises(ConfigError, match=r"--image .*truncated\.png cannot be decoded \(.*\); fix: a readable image"):
+        _sources(Edit(), [str(truncated)])
+    (image,) = _sources(Edit(), [str(good)])
+    assert image.mode == "RGB"

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ConfigError
 
-__all__ = ["IMAGE_FIELDS", "load_row_images", "resolve_images", "source_pixels"]
+__all__ = ["IMAGE_FIELDS", "as_rgb", "load_row_images", "resolve_images", "source_pixels"]
 
 IMAGE_FIELDS = ("image", "images")  # the row fields that name condition images
 
@@ -55,12 +55,31 @@ def resolve_images(row: dict[str, Any], base: Path, where: str, key: str) -> tup
         try:
             with Image.open(path) as im:
                 _ = im.size  # the header parses
-        except (UnidentifiedImageError, OSError) as err:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
             raise ConfigError(
                 f"{key}: {where}: image {name!r} ({path}) cannot be read ({type(err).__name__}: {err}); {_fix(key)}"
             ) from err
         out.append(str(path))
     return tuple(out)
+
+
+def as_rgb(im: Any) -> Any:
+    """An opened ``PIL.Image`` as 8-bit RGB with its tonal range kept: turned upright by its EXIF orientation,
+    16- and 32-bit greys scaled to 8 bits (PIL's own ``convert`` clips them: a 30000/65535 grey became white),
+    float greys read as [0, 1] when they lie there; palette, LA, RGBA and CMYK through PIL's conversions."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    im = ImageOps.exif_transpose(im)
+    if im.mode.startswith("I;16") or im.mode in ("I", "F"):
+        values = np.asarray(im, dtype=np.float64)
+        if im.mode == "F":
+            top = 1.0 if values.size and values.max() <= 1.0 else 255.0
+        else:
+            top = 65535.0 if im.mode.startswith("I;16") or (values.size and values.max() > 255) else 255.0
+        grey = np.clip(np.rint(values * (255.0 / top)), 0, 255).astype(np.uint8)
+        im = Image.fromarray(grey, mode="L")
+    return im.convert("RGB")
 
 
 def load_row_images(paths: tuple[str, ...], where: str) -> list[Any]:
@@ -71,7 +90,7 @@ def load_row_images(paths: tuple[str, ...], where: str) -> list[Any]:
     for path in paths:
         try:
             with Image.open(path) as im:
-                images.append(im.convert("RGB"))
+                images.append(as_rgb(im))
         except Exception as err:
             raise ConfigError(
                 f"{where}: image {path} cannot be decoded ({type(err).__name__}: {err}); fix: a readable image file"

@@ -37,12 +37,19 @@ def _sources(pipe: Any, images: list[str] | None) -> list[Any] | None:
         raise ConfigError(f"--image given {len(images)} times: {name} takes one; fix: one --image")
     from PIL import Image
 
+    from .images import as_rgb
+
     out = []
     for path in images:
         if not Path(path).is_file():
             raise ConfigError(f"--image {path}: no such file; fix: the path of an image file")
-        with Image.open(path) as im:
-            out.append(im.convert("RGB"))
+        try:
+            with Image.open(path) as im:
+                out.append(as_rgb(im))
+        except Exception as err:  # truncated, not an image, a decompression bomb: one line, not a traceback
+            raise ConfigError(
+                f"--image {path} cannot be decoded ({type(err).__name__}: {err}); fix: a readable image file"
+            ) from err
     return out
 
 
