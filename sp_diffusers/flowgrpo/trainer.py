@@ -451,7 +451,7 @@ class FlowGRPOTrainer:
             )  # this rank's collectives, as metrics.jsonl keeps them
             metrics["rollout_gathered_once"] = float(bool(self._gather_once))
             metrics["update_gathered_once"] = float(bool(self._update_gather))
-            if c.compile != "off":  # every graph dynamo compiled in this process so far (bounded: no recompiles)
+            if c.compile != "off":  # every graph dynamo compiled in this process so far
                 metrics["compile_graphs"] = float(compiled_graphs())
             self.log.append(metrics)  # and the progress bar
             if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:

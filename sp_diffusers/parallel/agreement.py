@@ -117,10 +117,6 @@ class CallLayout:
             None if self.mask_shapes is None else self.mask_shapes[rank],
         )
 
-    @property
-    def uneven(self) -> bool:
-        return len(set(self.q_sizes)) > 1 or len(set(self.kv_sizes)) > 1
-
 
 def _float_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]

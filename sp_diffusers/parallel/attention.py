@@ -294,7 +294,7 @@ def _attend(query, key, value, attn_mask, form, dropout_p, is_causal, scale, gro
     ulysses, ring = groups.ulysses, groups.ring
     group, cp_rank = groups.ulysses_group, groups.cp_rank
     first = cp_rank - cp_rank % ulysses  # this Ulysses group's ranks (one ring segment) in the CP group
-    uneven = len(set(layout.q_sizes)) > 1 or len(set(layout.kv_sizes)) > 1  # (CallLayout.uneven, traceable)
+    uneven = len(set(layout.q_sizes)) > 1 or len(set(layout.kv_sizes)) > 1  # ranks hold different lengths
     q_sizes = layout.q_sizes[first : first + ulysses] if uneven else None
     kv_sizes = layout.kv_sizes[first : first + ulysses] if uneven else None
 
