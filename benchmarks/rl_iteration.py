@@ -1,6 +1,8 @@
-"""One FlowGRPO iteration before and after the rollout's weights are gathered once and CFG runs as one forward.
+"""One FlowGRPO iteration before and after the rollout's weights are gathered once and CFG runs as one forward;
+with ``--reward-seconds``, before and after its rewards are scored beside the rollout (``rollout.chunks``).
 
     python benchmarks/rl_iteration.py [--workload image video] [--steps 16] [--cfg 4] [--repeats 3] [--json out.json]
+    python benchmarks/rl_iteration.py --reward-seconds 0.25 [--chunks 1 2 4] ...
 
 Two workloads at SP = 2 on 2 ranks (FSDP2 over both), each a trainer built twice on the same config, differing
 only in ``rollout.*``:
@@ -15,6 +17,12 @@ per rank); ``video`` the video step's narrow Wan (2 layers, 16 latent frames of 
 2 trained steps. The learning rate is 0, so every repetition repeats the same iteration. Iterations run
 interleaved (before, after, before, ...; ranks start each together) and the median is reported with the ratio; the
 ledger (``sp_diffusers.parallel.ledger``) gives rank 0's bytes per kind of one iteration of each.
+
+``--reward-seconds S``: the rewards come from a reward server (``sp-diffusers reward-server``, started here as its
+own process) whose function takes S seconds per sample and returns the latents' mean: a reward model on a device of
+its own, whose time the trainer's processes spend waiting (this host's two cores are the two ranks'; a reward
+computed on them would share them). The variants differ only in ``rollout.chunks`` (``--chunks``); 1 is the
+iteration scored after the rollout.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ VARIANTS = {
 }
 
 
-def _config(workload: str, steps: int, cfg: float, rollout: dict):
+def _config(workload: str, steps: int, cfg: float, rollout: dict, group_size: int = 0):
     from sp_diffusers.flowgrpo.config import TrainConfig
 
     c = TrainConfig()
@@ -54,13 +62,34 @@ def _config(workload: str, steps: int, cfg: float, rollout: dict):
     c.flowgrpo.window_size, c.flowgrpo.window_range = 2, [1, 2]
     c.flowgrpo.drop_zero_advantage = False  # every variant trains the same samples
     c.optim.lr = 0.0  # the same iteration at every repetition
+    if group_size:
+        c.flowgrpo.group_size = group_size
     for key, value in rollout.items():
         setattr(c.rollout, key, value)
     c.train.out_dir, c.train.progress, c.train.plot = tempfile.mkdtemp(), False, False
     return c
 
 
-def _rank(rank: int, world: int, workload: str, steps: int, cfg: float, repeats: int) -> dict:
+LATENCY_REWARD = """
+import time
+
+
+def score(latents, prompts, metadata, seconds_per_sample=0.25):
+    time.sleep(seconds_per_sample * len(prompts))
+    return latents.float().flatten(1).mean(dim=1)
+"""
+
+
+def _rank(
+    rank: int,
+    world: int,
+    workload: str,
+    steps: int,
+    cfg: float,
+    repeats: int,
+    variants: dict | None = None,
+    group_size: int = 0,
+) -> dict:
     import logging
     import warnings
 
@@ -72,19 +101,23 @@ def _rank(rank: int, world: int, workload: str, steps: int, cfg: float, repeats:
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore")
     trainers = {}
-    for name, rollout in VARIANTS.items():
+    for name, rollout in (variants or VARIANTS).items():
         torch.manual_seed(0)
-        trainers[name] = FlowGRPOTrainer(_config(workload, steps, cfg, rollout))
-    ledgers, rewards = {}, {}
+        c = _config(workload, steps, cfg, {k: v for k, v in rollout.items() if k != "rewards"}, group_size)
+        c.flowgrpo.rewards = rollout.get("rewards", [])
+        trainers[name] = FlowGRPOTrainer(c)
+    ledgers, rewards, waits = {}, {}, {}
     for name, trainer in trainers.items():
         ledger = CommLedger()
         with ledger.recording():
-            rewards[name] = trainer.train_iteration(0)["reward_mean"]
+            metrics = trainer.train_iteration(0)
+        rewards[name] = metrics["reward_mean"]
+        waits[name] = metrics.get("reward_wait_seconds")
         ledgers[name] = {f"{p}/{k}": list(v) for (p, k), v in ledger.take().items()}
     times = interleaved_times(
         {name: (lambda t=trainer: t.train_iteration(0)) for name, trainer in trainers.items()}, repeats, warmup=0
     )
-    return {"seconds": times, "ledger": ledgers, "reward_mean": rewards}
+    return {"seconds": times, "ledger": ledgers, "reward_mean": rewards, "reward_wait_seconds": waits}
 
 
 def _kinds(ledger: dict) -> dict[str, int]:
@@ -102,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cfg", type=float, default=4.0, help="classifier-free guidance scale (1: none)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--reward-seconds", type=float, default=0.0, help="a reward server's seconds per sample")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], help="rollout.chunks variants")
+    p.add_argument("--group-size", type=int, default=0, help="flowgrpo.group_size (0: the workload's)")
     add_device_arguments(p)
     args = p.parse_args(argv)
+    if args.reward_seconds > 0:
+        return _overlap(args)
     out = {}
     for workload in args.workload:
         r = spawn(_rank, 2, workload, args.steps, args.cfg, args.repeats, backend=args.backend, device=args.device)[0]
@@ -117,6 +155,62 @@ def main(argv: list[str] | None = None) -> int:
         gathers = kinds["before"].get("param_gather", 0) / max(1, kinds["after"].get("param_gather", 0))
         print(f"  after / before: {1 / out[workload]['speedup']:.3f} of the time; parameter gathers / {gathers:.1f}")
     write_json(args.json, {"args": vars(args), **out})
+    return 0
+
+
+def _overlap(args: argparse.Namespace) -> int:
+    """The iteration with a reward server's latency, scored after the rollout or beside it (module docstring)."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    folder = tempfile.mkdtemp()
+    reward = os.path.join(folder, "latency_reward.py")
+    with open(reward, "w") as f:
+        f.write(LATENCY_REWARD)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "sp_diffusers.cli", "reward-server", "--reward", f"{reward}:score", "--port", str(port)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(f"{url}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        entry = {"url": url, "input": "latents", "kwargs": {"seconds_per_sample": args.reward_seconds}}
+        out = {}
+        for workload in args.workload:
+            # each SP group's samples (prompts_per_rank x group_size)
+            samples = (1 if workload == "video" else 2) * (args.group_size or (2 if workload == "video" else 4))
+            variants = {
+                f"chunks {n}": {**VARIANTS["after"], "chunks": n, "rewards": [entry]}
+                for n in args.chunks
+                if n <= samples
+            }
+            r = spawn(
+                _rank, 2, workload, args.steps, args.cfg, args.repeats, variants, args.group_size,
+                backend=args.backend, device=args.device,
+            )[0]
+            sec, base = r["seconds"], r["seconds"][f"chunks {args.chunks[0]}"]
+            out[workload] = {**r, "ratio": {name: t / base for name, t in sec.items()}}
+            print(
+                f"\n{workload}: FlowGRPO iteration at SP 2, {args.steps} steps, CFG {args.cfg:g}, a reward server at "
+                f"{args.reward_seconds:g} s per sample ({samples * args.reward_seconds:g} s an iteration; {args.device})"
+            )
+            for name in variants:
+                wait = r["reward_wait_seconds"][name]
+                waited = f"   waited {wait:6.2f} s for rewards" if wait is not None else ""
+                print(f"  {name:<9} {sec[name]:7.2f} s/iteration   {sec[name] / base:.3f} of {args.chunks[0]}'s{waited}")
+        write_json(args.json, {"args": vars(args), **out})
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
     return 0
 
 

@@ -137,6 +137,21 @@ def test_sp_rollout_matches_one_process():
         assert abs(r["reward_mean"] - ref["reward_mean"]) <= 1e-5
 
 
+def test_a_rollout_in_chunks_is_the_rollout_in_one_piece():
+    """rollout.chunks: 3 (4 samples as 2 + 1 + 1, each chunk's rewards scored in the background, the shares of the
+    SP ranks gathered once) gives the one-piece rollout's latents, log-probs and advantages. The tolerance is the
+    SP comparison's above (1e-4 on the final latents, 6 steps of a 2-layer model in float32): a smaller batch's
+    matmuls round differently; the noise is the batch's own (tests/test_rollout_chunks.py)."""
+    for r in [*_on_policy(1, 1), *_on_policy(2, 2)]:
+        c = r["chunked"]
+        assert c["timed"]  # the background scoring reported its time; the one-piece rollout has none
+        assert (c["final"] - r["final"]).abs().max().item() <= 1e-4
+        assert (c["log_probs"] - r["log_probs"]).abs().max().item() <= 1e-4
+        # the advantages pass through a group's std normalisation (2 samples a group): 1e-3 of a unit advantage
+        assert (c["advantages"] - r["advantages"]).abs().max().item() <= 1e-3
+        assert abs(c["reward_mean"] - r["reward_mean"]) <= 1e-5
+
+
 def test_checkpoint_resume_gives_the_same_parameters():
     results = run_distributed("tests.workers.engine_steps:checkpoint_resume", 2, 2)
     assert results[0]["history_len"] == 4  # rank 0 keeps the metrics of the iterations before the restart

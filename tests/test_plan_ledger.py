@@ -87,3 +87,23 @@ def test_an_uneven_text_length_is_learned_once():
     first, steady = (_counted("qwenimage", 2)["qwenimage-sp2-per-step"][k] for k in ("ledger", "steady"))
     assert "rollout/agreement" in first and "rollout/agreement" not in steady
     assert first["rollout/param_gather"] == steady["rollout/param_gather"]
+
+
+def test_the_rewards_exposed_time_follows_the_chunk_pipeline():
+    """plan --rl's reward phase: all of the rewards' time after the rollout with one chunk; with C chunks what a
+    pipeline of C equal pieces leaves after the rollout and the old log-probs."""
+    from sp_diffusers.planner.iteration import RLKnobs, exposed_reward_seconds, iteration_seconds
+    from sp_diffusers.planner.models import PlanError
+
+    rl = RLKnobs(group_size=4, prompts_per_rank=2, reward_seconds=0.5)  # 8 samples: 4 s of rewards
+    assert exposed_reward_seconds(8.0, 1.0, rl) == 4.0
+    # 4 chunks of a 8 s rollout: chunk i sampled at 2i s, scored in 1 s; the last done at 9 s = rollout + old
+    assert exposed_reward_seconds(8.0, 1.0, RLKnobs(**{**rl.__dict__, "chunks": 4})) == 0.0
+    # rewards slower than the rollout: the scoring queues (2 chunks of a 4 s rollout, 4 s each to score)
+    slow = RLKnobs(**{**rl.__dict__, "chunks": 2, "reward_seconds": 1.0})  # 8 s of rewards
+    assert exposed_reward_seconds(4.0, 0.5, slow) == (2.0 + 4.0 + 4.0) - 4.5
+    forward = {"compute": 1.0, "sp_comm": 0.0, "fsdp_comm": 0.0}
+    seconds = iteration_seconds(forward, {"total": 0.5}, 0.0, RLKnobs(**{**rl.__dict__, "num_steps": 8}), 4, True)
+    assert seconds["reward"] == 4.0 and seconds["total"] == pytest.approx(8 + 2 + 4 + 2 * 2 * 0.5)
+    with pytest.raises(PlanError, match=r"--chunks 9 is invalid: an int in \[1, 8\]"):
+        RLKnobs(**{**rl.__dict__, "chunks": 9}).check(4, False)

@@ -39,6 +39,14 @@ def broken(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> li
     raise ValueError("the reward model is not loaded")
 
 
+GARBAGE = {
+    "html": "<html>502 Bad Gateway</html>",
+    "short": '{"rewards": [1.0]}',
+    "words": '{"rewards": ["high", "low"]}',
+    "other": '{"score": [1.0, 2.0]}',
+}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,6 +64,20 @@ def servers() -> Iterator[dict[str, str]]:
     async def start() -> None:
         for name, fn in (("brightness", brightness), ("slow", slow), ("broken", broken)):
             runner = web.AppRunner(make_app(fn, f"tests:{name}", max_batch=8))
+            await runner.setup()
+            port = _free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            urls[name] = f"http://127.0.0.1:{port}"
+            runners.append(runner)
+
+        for name, text in GARBAGE.items():  # servers that answer 200 with what no reward server answers
+
+            async def answer(_request: web.Request, text: str = text) -> web.Response:
+                return web.Response(text=text)
+
+            app = web.Application()
+            app.add_routes([web.post("/score", answer)])
+            runner = web.AppRunner(app)
             await runner.setup()
             port = _free_port()
             await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -120,6 +142,19 @@ def test_failures_are_one_line_that_names_the_server_and_4xx_is_not_retried(serv
     dead = f"http://127.0.0.1:{_free_port()}"
     with pytest.raises(RuntimeError, match=r"ConnectError.*sp-diffusers reward-server --reward"):
         RemoteReward(dead, timeout=5, retries=0)(images, prompts, metadata)
+
+
+def test_a_server_that_answers_garbage_is_one_line_naming_what_came_back(servers):
+    images, prompts, metadata = torch.rand(2, 3, 4, 4), ["a", "b"], [{}, {}]
+    said = {
+        "html": r"a body that is not JSON \('<html>502 Bad Gateway",
+        "short": r"without \{\"rewards\": \[2 numbers\]\}",
+        "words": r"rewards that are not all numbers \(\"\['high', 'low'\]",
+        "other": r"without .*'score'",
+    }
+    for name, words in said.items():
+        with pytest.raises(RuntimeError, match=rf"reward server {servers[name]} answered HTTP 200 .*{words}.*fix: "):
+            RemoteReward(servers[name], timeout=30, retries=2)(images, prompts, metadata)
 
 
 def test_url_entries_are_checked_at_start():

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,18 @@ def strict_color(x, prompts, metadata):
 
 def fine(x, prompts, metadata):
     return x.float().flatten(1).mean(dim=1)
+
+
+SERVED = []
+
+
+def dies_at_its_third_request(x, prompts, metadata):
+    import os
+
+    SERVED.append(len(prompts))
+    if len(SERVED) == 3:  # the reward server killed mid-run: the process is gone, mid-request
+        os._exit(1)
+    return [0.1 * len(SERVED)] * len(prompts)
 """
 
 
@@ -74,7 +88,18 @@ def failures(tmp_path_factory):
     (root / "prompts.txt").write_text("a red cat\na blue dog\n")  # a .txt file: rows without fields
     (root / "checkpoint").mkdir()
     (root / "checkpoint" / "checkpoints").write_text("a file where the checkpoints folder goes")
+    port = _free_port()  # a reward server that dies in the run's second iteration (2 requests an iteration)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sp_diffusers.cli", "reward-server", "--port", str(port), "--reward",
+         f"{root / 'rewards.py'}:dies_at_its_third_request"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    _wait_for(f"http://127.0.0.1:{port}/health")
+    url_entry = f"[{{url: 'http://127.0.0.1:{port}', input: latents, retries: 1, timeout: 30}}]"
+    server_killed = _argv(root, "server_killed", "fine", "--set", f"flowgrpo.rewards={url_entry}", "--set",
+                          "rollout.chunks=2", "--set", "train.save_every=1", "--iterations", "2")
     cases = [
+        ("server_killed", server_killed, {}),
         ("rank1_raises", _argv(root, "rank1_raises", "rank1_fails"), {}),
         ("wrong_shape", _argv(root, "wrong_shape", "wide"), {}),
         ("nan", _argv(root, "nan", "nan"), {}),
@@ -82,7 +107,29 @@ def failures(tmp_path_factory):
         ("checkpoint", _argv(root, "checkpoint", "fine"), {}),
         ("traceback", _argv(root, "traceback", "rank1_fails"), {"SP_DIFFUSERS_TRACEBACK": "1"}),
     ]
-    return root, run_distributed("tests.workers.run_failures:train_failures", 2, cases, timeout=900)
+    try:
+        return root, run_distributed("tests.workers.run_failures:train_failures", 2, cases, timeout=900)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(url: str) -> None:
+    import httpx
+
+    for _ in range(300):
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise AssertionError(f"the reward server at {url} did not start")
 
 
 def _block(stderr: str) -> str:
@@ -106,6 +153,8 @@ def _block(stderr: str) -> str:
         ("data_field", 1, ["reward 'strict_color'", "raised KeyError: 'color'", "fix: the function at ", "a key your "
                            "prompt rows lack? metadata is each data.train / data.eval row's fields other than the "
                            "prompt (a .jsonl line's; {} for a .txt file)"]),
+        ("server_killed", 1, ["flowgrpo.rewards: on rank 0, reward 'http://127.0.0.1:", "reward server http://127.0.0.1:",
+                              "(after 2 tries); every rank stops; fix: start it with `sp-diffusers reward-server"]),
         ("checkpoint", 2, ["preparing checkpoint folder ", "failed on rank 0",
                            "fix: make ", "a writable folder with free space, then run again: it resumes from the "
                            "newest checkpoint"]),
@@ -126,6 +175,10 @@ def test_nothing_written_before_the_failure_is_lost(failures):
     lines = (root / "checkpoint" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [1]  # the iteration trained before the save failed
     assert not (root / "rank1_raises" / "checkpoints").exists()  # no checkpoint of a run whose reward failed
+    # the reward server died in iteration 2: iteration 1's row and checkpoint are kept, for the rerun to resume
+    lines = (root / "server_killed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == [1]
+    assert [p.name for p in (root / "server_killed" / "checkpoints").iterdir() if p.is_dir()] == ["step-00000001"]
 
 
 def test_the_traceback_is_behind_the_switch(failures):

@@ -267,6 +267,9 @@ class RolloutConfig:
     # once where the whole model fits the device's free memory with a quarter of it to spare (engine/held_params.py)
     gather_params: str = "auto"
     cfg_batch: bool = True  # classifier-free guidance's two branches as one forward of 2B samples (false: two)
+    # the rollout in N consecutive chunks of its samples; each chunk's rewards are decoded and scored in a background
+    # thread while the next chunk samples (rewards/overlap.py); 1: scored after the rollout
+    chunks: int = 1
 
 
 @dataclass
@@ -408,6 +411,13 @@ def validate(config: TrainConfig) -> None:
         ("update.gather_params", config.update.gather_params),
     ):
         require(value in GATHER_MODES, key, value, f"one of {', '.join(GATHER_MODES)}")
+    samples = g.prompts_per_rank * g.group_size
+    require(
+        1 <= config.rollout.chunks <= samples,
+        "rollout.chunks",
+        config.rollout.chunks,
+        f"an int in [1, {samples}] (each rank rolls out flowgrpo.prompts_per_rank x group_size = {samples} samples)",
+    )
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
         require(value >= 0, key, value, "0 (never) or a positive interval in iterations")
     require(t.sample_count >= 1, "train.sample_count", t.sample_count, "must be >= 1")

@@ -2,10 +2,12 @@
 
     batch       prompts, their conditioning, the initial noise and the algorithm's plan (``batch.py``)
     rollout     the denoising run with the algorithm's span of stochastic steps, on weights gathered once
-                (``rollout.gather_params``), classifier-free guidance in one forward (``sampling/``)
+                (``rollout.gather_params``), classifier-free guidance in one forward (``sampling/``); with
+                ``rollout.chunks`` in pieces, each piece's rewards scored in the background as the next samples
     old policy  the trained steps' log-probs (and step means) recomputed on the update's own micro-batches
-    rewards     scored over the SP group, gathered over data parallelism; group-relative advantages; the
-                zero-advantage filter (``algorithms/selection.py``: the same count on every dp rank)
+    rewards     scored over the SP group (or the background scoring's shares gathered), gathered over data
+                parallelism; group-relative advantages; the zero-advantage filter (``algorithms/selection.py``: the
+                same count on every dp rank)
     update      mini-batches x micro-batches x trained steps, each the algorithm's loss (``update.py``)
 
 The loop knows phases, not algorithms: ``flowgrpo.algorithm`` picks an ``Algorithm`` (``algorithms/``), and the loop
@@ -21,6 +23,7 @@ into its metrics (``comm/<phase>/<kind>_calls`` and ``_bytes``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -58,8 +61,9 @@ from .models.experts import ExpertEngines, build_engines, check_expert_steps, ro
 from .models.pipeline_io import load_vae, resolve_pipeline
 from .models.text import DEFAULT_PROMPTS
 from .rewards.builtin import Reward
+from .rewards.overlap import BackgroundScoring
 from .rewards.scoring import RewardSet, Scorer
-from .sampling.denoise import Sampler, denoise, evaluate_step
+from .sampling.denoise import Sampler, denoise, denoise_in_chunks, evaluate_step
 from .sampling.guidance import WeightHolder, gathers_once
 from .sampling.trajectory import Trajectory
 from .update import micro_batches, policy_update
@@ -251,38 +255,63 @@ class FlowGRPOTrainer:
     def collect(self, batch: IterationBatch) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
         """Rollout and old log-probs ``[B, T]`` (both on weights gathered once: ``rollout.gather_params``), then
         rewards and advantages ``[B]``, of a prepared batch. Where the loss reads the old policy's step means, they
-        come from where the old log-probs come from: their recomputation, or the rollout itself."""
+        come from where the old log-probs come from: their recomputation, or the rollout itself. With
+        ``rollout.chunks > 1`` the configured rewards score each chunk in the background (``rewards/overlap.py``)."""
         wants = self.algorithm.inputs()
         recompute = self.config.flowgrpo.recompute_old_log_probs
-        with self.engine.eval_mode(), self.weight_holder() as hold:
-            traj = self.rollout(batch, hold, keep_means=wants.old_means and not recompute)
-            old_log_probs = traj.rollout_log_probs()
-            if wants.old_means and not recompute:
-                traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
-            if recompute and wants.old_log_probs:
-                with comm_phase("old_log_probs"):
-                    old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, wants.old_means)
-        with self.engine.eval_mode(), comm_phase("reward"):
-            advantages, stats = self.advantages(batch, traj)
+        background = self.config.rollout.chunks > 1 and self.scorer.override is None
+        with contextlib.ExitStack() as stack:
+            scoring = stack.enter_context(BackgroundScoring(self.scorer)) if background else None
+            with self.engine.eval_mode(), self.weight_holder() as hold:
+                traj = self.rollout(batch, hold, keep_means=wants.old_means and not recompute, scoring=scoring)
+                old_log_probs = traj.rollout_log_probs()
+                if wants.old_means and not recompute:
+                    traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
+                if recompute and wants.old_log_probs:
+                    with comm_phase("old_log_probs"):
+                        old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, wants.old_means)
+            with self.engine.eval_mode(), comm_phase("reward"):
+                advantages, stats = self.advantages(batch, traj, scoring)
+            if scoring is not None:
+                stats.update(reward_seconds=scoring.busy_seconds, reward_wait_seconds=scoring.wait_seconds)
         return traj, advantages, old_log_probs.detach(), stats
 
-    def rollout(self, batch: IterationBatch, hold: WeightHolder, keep_means: bool = False) -> Trajectory:
+    def rollout(
+        self,
+        batch: IterationBatch,
+        hold: WeightHolder,
+        keep_means: bool = False,
+        scoring: BackgroundScoring | None = None,
+    ) -> Trajectory:
         """The denoising run of a prepared batch with the algorithm's span by its rollout policy, each step's engine
-        through ``hold``; ``keep_means``: the span's step means stored too."""
+        through ``hold``; ``keep_means``: the span's step means stored too; ``scoring``: the run in
+        ``rollout.chunks`` pieces, each handed to it as it is done."""
         g, algorithm, plan = self.config.flowgrpo, self.algorithm, batch.plan
         engine = algorithm.rollout_engine(self.engine)
         sampler = Sampler(engine, self.adapter, self.schedule, g.cfg_scale, self.config.rollout.cfg_batch, hold)
         generator = torch.Generator().manual_seed(batch.sde_seed)
+        span = algorithm.span(plan, self.schedule)
+        final_is_prediction = algorithm.final_is_prediction
         with comm_phase("rollout"):
-            traj = denoise(
-                sampler,
-                batch.cond,
-                batch.latents,
-                algorithm.span(plan, self.schedule),
-                generator,
-                keep_means,
-                algorithm.final_is_prediction,
-            )
+            if scoring is None:
+                traj = denoise(sampler, batch.cond, batch.latents, span, generator, keep_means, final_is_prediction)
+            else:
+
+                def score(rows: slice, piece: Trajectory) -> None:
+                    sources = batch.source_pixels[rows] if batch.source_pixels is not None else None
+                    scoring.submit(piece.final, batch.prompts[rows], batch.metadata[rows], sources)
+
+                traj = denoise_in_chunks(
+                    sampler,
+                    batch.cond_of,
+                    batch.latents,
+                    span,
+                    generator,
+                    self.config.rollout.chunks,
+                    keep_means,
+                    final_is_prediction,
+                    on_chunk=score,
+                )
         if plan.train_steps is not None:  # the algorithm's choice of steps (else the span's: its window)
             traj.train_steps, traj.host_steps = plan.train_steps, plan.host_steps
         traj.noise_seed = plan.noise_seed
@@ -324,11 +353,17 @@ class FlowGRPOTrainer:
         assert log_probs is not None
         return log_probs, step_means
 
-    def advantages(self, batch: IterationBatch, traj: Trajectory) -> tuple[torch.Tensor, dict[str, float]]:
-        """The rollout scored, the group-relative advantages ``[B]`` of this rank's samples, the reward statistics;
-        with the zero-advantage filter, ``batch.kept`` (seeded from the batch: SP peers keep the same samples)."""
+    def advantages(
+        self, batch: IterationBatch, traj: Trajectory, scoring: BackgroundScoring | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The rollout scored (or ``scoring``'s chunks gathered), the group-relative advantages ``[B]`` of this
+        rank's samples, the reward statistics; with the zero-advantage filter, ``batch.kept`` (seeded from the
+        batch: SP peers keep the same samples)."""
         g, engine = self.config.flowgrpo, self.engine
-        rewards, per_reward = self.scorer(traj.final, batch.prompts, batch.metadata, batch.source_pixels)
+        if scoring is not None:
+            rewards, per_reward = scoring.result()
+        else:
+            rewards, per_reward = self.scorer(traj.final, batch.prompts, batch.metadata, batch.source_pixels)
         # rewards, advantages and their statistics stay on the device (read once, below)
         device = traj.latents.device
         all_groups = engine.gather_dp(to_device(batch.group_ids, device))

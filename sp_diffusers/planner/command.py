@@ -94,6 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "they fit (auto; update.gather_params)",
     )
     rl.add_argument("--kl", action="store_true", help="a KL reference forward per trained step (LoRA)")
+    rl.add_argument(
+        "--reward-seconds", type=float, default=0.0,
+        help="seconds a reward (decoding and scoring, on a device of its own: a reward server) takes per sample",
+    )
+    rl.add_argument(
+        "--chunks", type=int, default=1,
+        help="the rollout in N chunks, each scored while the next samples (rollout.chunks)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument(
@@ -159,6 +167,8 @@ def _rl_knobs(args: argparse.Namespace) -> RLKnobs | None:
         gather=args.gather,
         update_gather=args.update_gather,
         kl=args.kl,
+        reward_seconds=args.reward_seconds,
+        chunks=args.chunks,
     )
 
 
@@ -311,7 +321,7 @@ def print_iterations(plan: Plan, out: Any) -> None:
         file=out,
     )
     head = (
-        " ulysses ring  dp rep ckpt | once upd | rollout s  old s  train s   iter s | img/GPU/s |"
+        " ulysses ring  dp rep ckpt | once upd | rollout s  old s reward s  train s   iter s | img/GPU/s |"
         " gather GB reduce GB activ GB"
     )
     print(head, file=out)
@@ -322,7 +332,7 @@ def print_iterations(plan: Plan, out: Any) -> None:
         print(
             f" {p.ulysses:7d} {p.ring:4d} {p.dp:3d} {p.replicate:3d} {'on ' if p.activation_checkpointing else 'off'}  |"
             f" {'yes ' if it['rollout_gathers_once'] else ' no '} {'yes' if it['update_gathers_once'] else ' no'} | {sec['rollout']:9.2f} {sec['old_log_probs']:6.2f}"
-            f" {sec['train']:8.2f} {sec['total']:8.2f} | {it['images_per_gpu_second']:9.3f} |"
+            f" {sec['reward']:8.2f} {sec['train']:8.2f} {sec['total']:8.2f} | {it['images_per_gpu_second']:9.3f} |"
             f" {moved['param_gather']:9.2f} {moved['grad_reduce']:9.2f} {moved['activation']:8.2f}"
             + ("" if p.fits else "  (does not fit)"),
             file=out,

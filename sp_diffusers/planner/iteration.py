@@ -8,6 +8,8 @@ batch, as the trainer runs both branches in one):
                    (``rollout.gather_params``) the others gather nothing, else every forward gathers the blocks
     old_log_probs  B / M micro-batches x T forwards without grad at batch M (x2) on the same weights: the
                    recomputed old log-probs, on the micro-batches the update trains (bit for bit its arithmetic)
+    reward         what the iteration waits for of the rewards' time (``--reward-seconds`` per sample on a device
+                   of their own): all of it, or with ``rollout.chunks`` what the pipeline leaves exposed
     train          B / M micro-batches x T trained steps, each a forward and backward at batch M (x2)
     optimizer      one AdamW step (clipping's norm)
 
@@ -25,6 +27,7 @@ the SP group, rewards gathered over data parallelism) are not predicted: a few k
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +36,16 @@ import torch
 from .models import ModelSpec, PlanError
 from .shapes import Workload
 
-__all__ = ["Ledger", "Pieces", "RLKnobs", "compose", "iteration_inputs", "iteration_seconds", "trace_pieces"]
+__all__ = [
+    "Ledger",
+    "Pieces",
+    "RLKnobs",
+    "compose",
+    "exposed_reward_seconds",
+    "iteration_inputs",
+    "iteration_seconds",
+    "trace_pieces",
+]
 
 Ledger = dict[tuple[str, str], tuple[int, int]]  # (phase, kind) -> (calls, bytes)
 
@@ -53,6 +65,8 @@ class RLKnobs:
     update_gather: str = "never"  # update.gather_params: held over an optimizer step's micro-steps, or per block
     recompute_old_log_probs: bool = True
     kl: bool = False  # a KL reference forward (adapters off, LoRA only) per trained step
+    reward_seconds: float = 0.0  # a reward's seconds per sample on a device of its own (a reward server)
+    chunks: int = 1  # rollout.chunks: each chunk scored while the next samples
 
     @property
     def samples(self) -> int:
@@ -80,6 +94,12 @@ class RLKnobs:
                 raise PlanError(f"{name} {value!r}: choose auto, always or never")
         if self.kl and not lora:
             raise PlanError("--kl needs --lora-rank: the reference is the base model with the adapters off")
+        if not (math.isfinite(self.reward_seconds) and self.reward_seconds >= 0):
+            raise PlanError(f"--reward-seconds {self.reward_seconds!r} is invalid: seconds per sample >= 0")
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or not 1 <= self.chunks <= self.samples:
+            raise PlanError(
+                f"--chunks {self.chunks!r} is invalid: an int in [1, {self.samples}] (the samples per rank)"
+            )
 
 
 @dataclass
@@ -243,4 +263,27 @@ def iteration_seconds(
     micro_batches = rl.samples // micro_batch
     old = rl.trained_steps * (fwd + (0.0 if held else micro_batches * exposed)) if rl.recompute_old_log_probs else 0.0
     train = rl.samples // micro_batch * rl.trained_steps * train_step["total"]
-    return {"rollout": rollout, "old_log_probs": old, "train": train, "total": rollout + old + train}
+    reward = exposed_reward_seconds(rollout, old, rl)
+    return {
+        "rollout": rollout,
+        "old_log_probs": old,
+        "reward": reward,
+        "train": train,
+        "total": rollout + old + reward + train,
+    }
+
+
+def exposed_reward_seconds(rollout: float, old_log_probs: float, rl: RLKnobs) -> float:
+    """The rewards' time the iteration waits for: all of it after the rollout (``chunks`` 1), else what a pipeline
+    of ``chunks`` equal pieces leaves after the rollout and the old log-probs (chunk i scored from when it is
+    sampled and the scoring of chunk i - 1 is done). A chunk's forwards are taken to cost their share of the
+    rollout's: a GPU that a smaller batch leaves idle, or a model that per-forward overhead dominates, loses some of
+    it (docs/benchmarks.md measures both)."""
+    total = rl.samples * rl.reward_seconds
+    if rl.chunks <= 1 or total == 0.0:
+        return total
+    piece, score = rollout / rl.chunks, total / rl.chunks
+    done = 0.0
+    for i in range(1, rl.chunks + 1):
+        done = max(i * piece, done) + score
+    return max(0.0, done - rollout - old_log_probs)

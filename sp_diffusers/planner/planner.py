@@ -368,9 +368,10 @@ def _notes(req: PlanRequest) -> list[str]:
         notes.append(
             f"iteration (--rl): rollout = {rl.num_steps} forwards at batch {rl.samples}{' x 2 (CFG)' if rl.cfg else ''}"
             f", old log-probs = {rl.trained_steps} more, training = {rl.samples // req.work.batch} micro-batches x "
-            f"{rl.trained_steps} trained steps (forward + backward); reward scoring, decoding and the trainer's own "
-            "batch and reward exchanges are not included; images/GPU/s = samples per data-parallel rank / (SP "
-            "degree x iteration seconds)"
+            f"{rl.trained_steps} trained steps (forward + backward); reward = the rewards' exposed time at "
+            f"{rl.reward_seconds:g} s per sample on a device of their own, {rl.chunks} rollout chunk(s) (decoding on "
+            "the trainer's GPUs and the trainer's own batch and reward exchanges are not included); "
+            "images/GPU/s = samples per data-parallel rank / (SP degree x iteration seconds)"
         )
     notes += list(req.spec.notes[1:] if req.spec.experts > 1 else req.spec.notes)
     return notes

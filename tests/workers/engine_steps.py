@@ -198,6 +198,9 @@ def on_policy_and_rollout(rank: int, world: int, sp: int) -> dict:
         )
     )
     batch = trainer.iteration_batch(0).prepared(trainer.engine)
+    trainer.config.rollout.chunks = 3  # 2 + 1 + 1 of the 4 samples, each scored in the background
+    chunked, chunked_adv, _, chunked_stats = trainer.collect(batch)
+    trainer.config.rollout.chunks = 1
     traj, adv, old, stats = trainer.collect(batch)
     lengths = [int(m.sum()) for m in batch.cond["prompt_embeds_mask"]]
     metrics = trainer.update(batch, traj, adv, old)
@@ -211,6 +214,14 @@ def on_policy_and_rollout(rank: int, world: int, sp: int) -> dict:
         "final": traj.final.cpu(),
         "log_probs": traj.log_probs.cpu(),
         "reward_mean": stats["reward_mean"],
+        "advantages": adv.cpu(),
+        "chunked": {
+            "final": chunked.final.cpu(),
+            "log_probs": chunked.log_probs.cpu(),
+            "advantages": chunked_adv.cpu(),
+            "reward_mean": chunked_stats["reward_mean"],
+            "timed": "reward_wait_seconds" in chunked_stats and "reward_wait_seconds" not in stats,
+        },
     }
 
 

@@ -19,10 +19,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["RemoteReward", "decode_tensor", "encode_tensor", "make_app", "serve"]
+__all__ = ["RemoteReward", "RewardServerError", "decode_tensor", "encode_tensor", "make_app", "serve"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class RewardServerError(RuntimeError):
+    """A reward server failed, or answered what no reward server answers; the message names it and the fix."""
 
 
 class PayloadError(ValueError):
@@ -160,16 +164,36 @@ class RemoteReward:
                 problem = f"{type(err).__name__}: {err}"
             else:
                 if response.status_code == 200:
-                    return response.json()["rewards"]
+                    rewards = _rewards_of(response, len(prompts))
+                    if isinstance(rewards, list):
+                        return rewards
+                    raise RewardServerError(
+                        f"reward server {self.url} answered {rewards}; fix: point the entry's url at "
+                        "`sp-diffusers reward-server` (or a server that answers {\"rewards\": [one float per sample]})"
+                    )
                 problem = f"HTTP {response.status_code}: {_error_of(response)[:500]}"
                 if response.status_code < 500:
                     break  # the request itself is wrong: another try gives the same answer
             if attempt < self.retries:
                 time.sleep(min(2.0**attempt, 10.0))
-        raise RuntimeError(
+        raise RewardServerError(
             f"reward server {self.url}: {problem} (after {attempt + 1} tries); fix: start it with "
             "`sp-diffusers reward-server --reward pkg.module:callable --port N`, or raise the entry's timeout"
         )
+
+
+def _rewards_of(response: Any, count: int) -> list[float] | str:
+    """The answer's scores, or what is wrong with the answer (a proxy's page, another service, a broken server)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP 200 with a body that is not JSON ({response.text[:80]!r})"
+    rewards = body.get("rewards") if isinstance(body, dict) else None
+    if not isinstance(rewards, list) or len(rewards) != count:
+        return f"HTTP 200 without {{\"rewards\": [{count} numbers]}} ({str(body)[:80]!r})"
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):
+        return f"HTTP 200 with rewards that are not all numbers ({str(rewards)[:80]!r})"
+    return [float(r) for r in rewards]
 
 
 def _error_of(response: Any) -> str:

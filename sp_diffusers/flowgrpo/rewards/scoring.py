@@ -2,7 +2,9 @@
 
 The ranks of an SP group hold the same B samples. Scoring each of them on every rank would run every reward model
 P times; instead SP rank r scores its own slice ``tensor_split(range(B), P)[r]`` (decoding only those latents, once,
-and only when some reward reads pixels), then one all-gather in the SP group gives every rank all B scores.
+and only when some reward reads pixels), then one all-gather in the SP group gives every rank all B scores. A
+rollout in chunks (``rollout.chunks``) scores each chunk's share as the chunk is done, in a background thread
+(``overlap.py``: no collective there), and gathers the shares once after the rollout (``RewardSet.combine``).
 
 A reward that raises, returns the wrong shape or a non-finite value on any rank: after scoring, every rank of the
 world learns it (one small all-gather of a flag; the messages only on failure) and raises the same ``RewardError``
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,8 +25,9 @@ import torch.distributed as dist
 from ...parallel.devices import to_device
 from ...parallel.ledger import comm_kind
 from .loading import RewardSpec
+from .remote import RewardServerError
 
-__all__ = ["RewardError", "RewardSet", "Scorer"]
+__all__ = ["RewardError", "RewardSet", "Scorer", "Share"]
 
 
 class RewardError(RuntimeError):
@@ -145,6 +149,8 @@ class RewardSet:
             try:
                 with torch.no_grad():
                     result = spec.fn(data, list(prompts), list(metadata), **spec.kwargs)
+            except RewardServerError as err:  # its message names the server and the fix
+                return out, f"reward {spec.label}: {err}"
             except Exception as err:
                 where = _where(err)
                 return out, f"reward {spec.label} raised {type(err).__name__}: {err}{where}; fix: {_raised_fix(err, where)}"
@@ -173,33 +179,75 @@ class RewardSet:
         what, _, fix = str(messages[first]).partition("; fix: ")
         raise RewardError(f"flowgrpo.rewards: on rank {first}{more}, {what}; every rank stops; fix: {fix}")
 
-    def __call__(
-        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The weighted total ``[B]`` (float32, CPU) and each reward's ``[B]`` scores, identical on SP peers."""
+    def score_share(self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> Share:
+        """This SP rank's share of the samples given (a batch, or a chunk of one) scored, with no collective: what a
+        background thread may run while the next chunk samples (``combine`` then gathers the shares)."""
         batch = latents.shape[0]
         if len(prompts) != batch:
             raise ValueError(f"RewardSet: {batch} samples but {len(prompts)} prompts")
         metadata = list(metadata) if metadata is not None else [{} for _ in range(batch)]
-        sp_rank, sp_size, group = self._layout()
-        slices = torch.arange(batch).tensor_split(sp_size)
-        mine = slices[sp_rank]
-        lo, hi = (int(mine[0]), int(mine[-1]) + 1) if mine.numel() else (0, 0)
-        local, problem = self.score_local(latents[lo:hi], prompts[lo:hi], metadata[lo:hi])
+        sp_rank, sp_size, _ = self._layout()
+        mine = _shares(batch, sp_size)[sp_rank]
+        try:
+            local, problem = self.score_local(latents[mine], prompts[mine], metadata[mine])
+        except Exception as err:  # reward_view, a cast: every rank must still reach combine's agreement
+            local = torch.zeros(mine.stop - mine.start, len(self.specs), dtype=torch.float64)
+            problem = f"scoring raised {type(err).__name__}: {err}{_where(err)}; fix: see the error"
+        return Share(batch, local, problem)
+
+    def combine(self, shares: Sequence[Share]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The consecutive pieces' shares as the batch's weighted total ``[B]`` (float32, CPU) and each reward's
+        ``[B]`` scores, identical on SP peers: one agreement on failure, one all-gather in the SP group."""
+        problem = next((s.problem for s in shares if s.problem), None)
         self._agree(problem)
-        scores = local
+        _, sp_size, group = self._layout()
+        scores = torch.cat([s.local for s in shares])
         if sp_size > 1:
-            longest = max(s.numel() for s in slices)
+            # every SP rank's rows of the batch, piece by piece (the same table on every rank)
+            rows: list[list[int]] = [[] for _ in range(sp_size)]
+            offset = 0
+            for share in shares:
+                for q, part in enumerate(_shares(share.count, sp_size)):
+                    rows[q] += range(offset + part.start, offset + part.stop)
+                offset += share.count
+            longest = max(len(r) for r in rows)
             device = self._collective_device()
             send = torch.zeros(longest, len(self.specs), dtype=torch.float64, device=device)
-            send[: local.shape[0]] = local.to(device)
+            send[: scores.shape[0]] = scores.to(device)
             parts = [torch.empty_like(send) for _ in range(sp_size)]
             with comm_kind("data"):
                 dist.all_gather(parts, send, group=group)
-            scores = torch.cat([p[: s.numel()].cpu() for p, s in zip(parts, slices, strict=True)])
+            scores = torch.empty(offset, len(self.specs), dtype=torch.float64)
+            for q, part in enumerate(parts):
+                scores[rows[q]] = part[: len(rows[q])].cpu()
         weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
         total = (scores * weights).sum(dim=1).float()
         return total, {s.name: scores[:, j].float() for j, s in enumerate(self.specs)}
+
+    def __call__(
+        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The weighted total ``[B]`` (float32, CPU) and each reward's ``[B]`` scores, identical on SP peers."""
+        return self.combine([self.score_share(latents, prompts, metadata)])
+
+
+@dataclass(frozen=True)
+class Share:
+    """One SP rank's scores ``local [b, R]`` (float64, CPU) of its share of ``count`` samples, or the first
+    failure's message."""
+
+    count: int
+    local: torch.Tensor
+    problem: str | None
+
+
+def _shares(count: int, sp_size: int) -> list[slice]:
+    """Each SP rank's consecutive share of ``count`` samples (``tensor_split``'s sizes)."""
+    base, extra = divmod(count, sp_size)
+    bounds = [0]
+    for q in range(sp_size):
+        bounds.append(bounds[-1] + base + (q < extra))
+    return [slice(bounds[q], bounds[q + 1]) for q in range(sp_size)]
 
 
 class Scorer:
@@ -211,6 +259,22 @@ class Scorer:
     def __init__(self, rewards: RewardSet, reward_view: Callable[[torch.Tensor], torch.Tensor], override: Any = None):
         self.rewards, self.reward_view, self.override = rewards, reward_view, override
 
+    def share(
+        self,
+        final: torch.Tensor,
+        prompts: list[str],
+        metadata: list[dict] | None = None,
+        source_pixels: torch.Tensor | None = None,
+    ) -> Share:
+        """This rank's share of ``final``'s samples scored by the configured rewards (no collective)."""
+        from ..models.conditioning import with_sources
+
+        return self.rewards.score_share(final, prompts, with_sources(metadata, source_pixels, final.shape[0]))
+
+    def combine(self, shares: Sequence[Share], device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total, each = self.rewards.combine(shares)
+        return to_device(total, device), to_device(each, device)
+
     def __call__(
         self,
         final: torch.Tensor,
@@ -218,9 +282,6 @@ class Scorer:
         metadata: list[dict] | None = None,
         source_pixels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from ..models.conditioning import with_sources
-
         if self.override is not None:
             return self.override(self.reward_view(final), prompts).float(), {}
-        total, each = self.rewards(final, prompts, with_sources(metadata, source_pixels, final.shape[0]))
-        return to_device(total, final.device), to_device(each, final.device)
+        return self.combine([self.share(final, prompts, metadata, source_pixels)], final.device)

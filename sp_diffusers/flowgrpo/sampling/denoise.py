@@ -23,7 +23,7 @@ latents are identical there; the transformer's Ulysses attention does the rest.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from .pipeline_schedule import Schedule
 from .sde import SDEStep, StepRule, ode_step
 from .trajectory import Trajectory
 
-__all__ = ["Sampler", "Span", "denoise", "evaluate_step", "velocity"]
+__all__ = ["BatchNoise", "ChunkNoise", "Sampler", "Span", "denoise", "denoise_in_chunks", "evaluate_step", "velocity"]
 
 _TEXT = ("prompt_embeds", "prompt_embeds_mask", "pooled_prompt_embeds")
 
@@ -156,6 +156,37 @@ class _Windows:
         return self.rows[cut], self.pos[cut]
 
 
+class BatchNoise:
+    """A whole batch's SDE noise, drawn as an unchunked rollout of the batch draws it: at each step where some
+    sample of the batch is inside its window, one ``[B, ...]`` standard normal from ``generator``, in step order.
+    A rollout run in chunks (:func:`denoise_in_chunks`) takes each chunk's rows of these draws, so it samples the
+    noise the batch would have in one piece (the draws are kept until the last chunk has run: the size of the
+    span's stored latents)."""
+
+    def __init__(self, generator: torch.Generator, starts: list[int], size: int) -> None:
+        self.generator, self.batch = generator, len(starts)
+        ends = max(starts) + size if starts else 0
+        self.drawing = [i for i in range(ends) if any(s <= i < s + size for s in starts)]
+        self.draws: dict[int, torch.Tensor] = {}
+
+    def rows(self, step: int, rows: slice, like: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of step ``step``'s draw, shaped and placed like ``like`` (a chunk's latents)."""
+        while len(self.draws) < len(self.drawing) and self.drawing[len(self.draws)] <= step:
+            device = self.generator.device
+            shape = (self.batch, *like.shape[1:])
+            eps = torch.randn(shape, generator=self.generator, dtype=like.dtype, device=device)
+            self.draws[self.drawing[len(self.draws)]] = eps
+        return to_device(self.draws[step][rows], like.device)
+
+
+@dataclass(frozen=True)
+class ChunkNoise:
+    """The noise of the chunk ``rows`` of a batch whose noise is ``batch``."""
+
+    batch: BatchNoise
+    rows: slice
+
+
 def _check(span: Span, sampler: Sampler, batch: int) -> list[int]:
     """Every sample's start (host ints), after refusing a span that does not fit the schedule."""
     num_steps, size = sampler.schedule.num_steps, span.size
@@ -196,13 +227,13 @@ def denoise(
     cond: dict[str, Any],
     noise: torch.Tensor,
     span: Span = Span(),
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | ChunkNoise | None = None,
     keep_means: bool = False,
     final_is_prediction: bool = False,
 ) -> Trajectory:
     """Denoise ``noise`` from sigma 1 to 0 (module docstring). ``generator`` draws the SDE steps' noise (the same
-    seed on every rank of an SP group); ``keep_means``: the span's step means are stored too;
-    ``final_is_prediction``: the rewards read the last step's predicted data ``x - sigma v`` instead of the last
+    seed on every rank of an SP group; a ``ChunkNoise``: this chunk's rows of its batch's draws); ``keep_means``:
+    the span's step means are stored too; ``final_is_prediction``: the rewards read the last step's predicted data ``x - sigma v`` instead of the last
     latent (DanceGRPO). A span of 0 steps stores the latent at its start alone, and no log-prob."""
     x = noise.float()
     b, schedule = x.shape[0], sampler.schedule
@@ -236,7 +267,10 @@ def denoise(
             continue
         if span.tail is not None and i == end - 1:
             history = (x - sigma * v, sigma)
-        step = span.rule.step(x, v, sigmas, i, generator=generator)
+        if isinstance(generator, ChunkNoise):
+            step = span.rule.step(x, v, sigmas, i, noise=generator.batch.rows(i, generator.rows, x))
+        else:
+            step = span.rule.step(x, v, sigmas, i, generator=generator)
         nxt = step.prev_sample if inside == b else torch.where(windows.mask[i].view(b, *[1] * (x.ndim - 1)), step.prev_sample, det)
         rows, pos = windows.at(i)
         stored.index_put_((rows, pos), x.index_select(0, rows))  # the step's input ...
@@ -253,6 +287,39 @@ def denoise(
         trajectory.starts = first
         trajectory.train_steps = first[:, None] + torch.arange(size, device=x.device)
     return trajectory
+
+
+def denoise_in_chunks(
+    sampler: Sampler,
+    cond_of: Callable[[slice], dict[str, Any]],
+    noise: torch.Tensor,
+    span: Span,
+    generator: torch.Generator,
+    chunks: int,
+    keep_means: bool = False,
+    final_is_prediction: bool = False,
+    on_chunk: Callable[[slice, Trajectory], None] | None = None,
+) -> Trajectory:
+    """:func:`denoise` of the batch ``noise`` in ``chunks`` consecutive pieces, ``on_chunk(rows, trajectory)``
+    called as each is done (``rollout.chunks``: its rewards are scored while the next piece samples). The pieces
+    take the SDE noise the whole batch would take (``BatchNoise``), so the result is the one-piece rollout's up to
+    the rounding of a smaller batch. ``cond_of(rows)``: the conditioning of samples ``rows``."""
+    b = noise.shape[0]
+    starts = _check(span, sampler, b)
+    shared = BatchNoise(generator, starts, span.size)
+    parts = []
+    for piece in torch.arange(b).tensor_split(chunks):
+        if not piece.numel():
+            continue
+        rows = slice(int(piece[0]), int(piece[-1]) + 1)
+        piece_span = replace(span, start=starts[rows]) if span.per_sample else span
+        traj = denoise(
+            sampler, cond_of(rows), noise[rows], piece_span, ChunkNoise(shared, rows), keep_means, final_is_prediction
+        )
+        if on_chunk is not None:
+            on_chunk(rows, traj)
+        parts.append(traj)
+    return Trajectory.cat(parts)
 
 
 def _tail(sampler: Sampler, x: torch.Tensor, cond: dict[str, Any], tail: DPMTail, history: Any) -> torch.Tensor:

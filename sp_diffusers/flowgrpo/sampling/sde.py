@@ -144,9 +144,15 @@ def _check_pair(sample: torch.Tensor, model_output: torch.Tensor, fn: str) -> No
         )
 
 
-def _noise(sample: torch.Tensor, generator: torch.Generator | None, dtype: torch.dtype) -> torch.Tensor:
+def _noise(
+    sample: torch.Tensor, generator: torch.Generator | None, dtype: torch.dtype, noise: torch.Tensor | None = None
+) -> torch.Tensor:
     # drawn in the compute dtype (float32 for bf16 latents, as flow_grpo draws it) on the generator's device, as
-    # sde_step_with_logprob draws it
+    # sde_step_with_logprob draws it; or the step's noise drawn by the caller (a rollout in chunks: BatchNoise)
+    if noise is not None:
+        if noise.shape != sample.shape:
+            raise ValueError(f"the step's noise has shape {tuple(noise.shape)}, the sample {tuple(sample.shape)}")
+        return noise.to(sample.device, dtype)
     device = generator.device if generator is not None else sample.device
     eps = torch.randn(sample.shape, generator=generator, dtype=dtype, device=device)
     return to_device(eps, sample.device)  # queued: a CPU generator's noise costs no host sync
@@ -176,6 +182,7 @@ def sde_step_with_logprob(
     sigma_one_substitute: Sigma,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> SDEStep:
     """One Flow-GRPO SDE step from ``sample`` ``[B, ...]`` and the velocity ``model_output`` ``[B, ...]``.
 
@@ -193,6 +200,7 @@ def sde_step_with_logprob(
             or float64 for float64 inputs) on the generator's device, then moved to ``sample``'s device: flow_grpo
             casts the model output to float32 first and draws in its dtype, so a bf16 rollout draws float32 noise
             there too (a bf16 draw would be another noise, rounded to 8 bits of mantissa).
+        noise: the standard normal draw itself, ``sample``'s shape (instead of drawing from ``generator``).
 
     Returns:
         :class:`SDEStep`. ``prev_sample`` and ``prev_sample_mean`` are in the compute dtype (at least
@@ -218,7 +226,7 @@ def sde_step_with_logprob(
     mean = x * (1.0 + std_t**2 / (2.0 * sig) * dt) + v * (1.0 + std_t**2 * (1.0 - sig) / (2.0 * sig)) * dt
     scale = std_t * torch.sqrt(-dt)
 
-    x_prev = mean + scale * _noise(sample, generator, dtype) if prev_sample is None else prev_sample.to(dtype)
+    x_prev = mean + scale * _noise(sample, generator, dtype, noise) if prev_sample is None else prev_sample.to(dtype)
 
     # The density is of the action x_prev; only the mean (i.e. the policy) may carry gradient.
     log_p = -((x_prev.detach() - mean) ** 2) / (2.0 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
@@ -257,6 +265,7 @@ def cps_step_with_logprob(
     *,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> SDEStep:
     """flow_grpo's CPS step (module docstring). ``std_dev_t`` is ``s = sigma' sin(a pi / 2)``, as flow_grpo
     returns it (its KL term divides by ``2 s^2``)."""
@@ -272,7 +281,7 @@ def cps_step_with_logprob(
     x1 = x + (1.0 - sig) * v
     # sqrt(sigma'^2 - s^2) rather than sigma' cos(a pi / 2): the same number, rounded as flow_grpo rounds it
     mean = x0 * (1.0 - sig_next) + x1 * torch.sqrt(sig_next**2 - s**2)
-    x_prev = mean + s * _noise(sample, generator, dtype) if prev_sample is None else prev_sample.to(dtype)
+    x_prev = mean + s * _noise(sample, generator, dtype, noise) if prev_sample is None else prev_sample.to(dtype)
     log_p = -((x_prev.detach() - mean) ** 2)
     return SDEStep(
         prev_sample=x_prev,
@@ -291,6 +300,7 @@ def dance_step_with_logprob(
     *,
     prev_sample: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> SDEStep:
     """DanceGRPO's step (module docstring). ``std_dev_t`` is ``eta`` (the noise std without ``sqrt(-dt)``, as
     :func:`sde_step_with_logprob` reports its ``std_t``)."""
@@ -305,7 +315,7 @@ def dance_step_with_logprob(
     score = -(x + (1.0 - sig) * v) / sig
     mean = x + dt * v + (-0.5 * eta**2 * score) * dt
     std = eta * torch.sqrt(-dt)
-    x_prev = mean + std * _noise(sample, generator, dtype) if prev_sample is None else prev_sample.to(dtype)
+    x_prev = mean + std * _noise(sample, generator, dtype, noise) if prev_sample is None else prev_sample.to(dtype)
     log_p = -((x_prev.detach() - mean) ** 2) / (2.0 * std**2) - torch.log(std) - _LOG_SQRT_2PI
     return SDEStep(
         prev_sample=x_prev,
@@ -335,6 +345,7 @@ class StepRule:
         *,
         prev_sample: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> SDEStep:
         """Step ``step_index`` of the schedule ``sigmas``.
 
@@ -349,7 +360,7 @@ class StepRule:
         else:
             sigma, sigma_next = float(sigmas[step_index]), float(sigmas[step_index + 1])
             sigma_one = float(sigmas[1])
-        kwargs = dict(prev_sample=prev_sample, generator=generator)
+        kwargs = dict(prev_sample=prev_sample, generator=generator, noise=noise)
         if self.sde_type == "sde":
             return sde_step_with_logprob(
                 sample,

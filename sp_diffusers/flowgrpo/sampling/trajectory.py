@@ -80,3 +80,24 @@ class Trajectory:
         pos = self.steps() - self._first()
         rows = torch.arange(pos.shape[0], device=pos.device)[:, None]
         return self.means[rows, pos]
+
+    @staticmethod
+    def cat(parts: list[Trajectory]) -> Trajectory:
+        """The trajectories of a batch's consecutive chunks as the batch's one (``denoise_in_chunks``)."""
+        first = parts[0]
+
+        def joined(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+
+        return Trajectory(
+            latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            window_start=min(p.window_start for p in parts),
+            final=torch.cat([p.final for p in parts]),
+            train_steps=joined("train_steps"),
+            host_steps=first.host_steps,
+            starts=joined("starts"),
+            means=joined("means"),
+            noise_seed=first.noise_seed,
+        )
