@@ -78,6 +78,8 @@ def _config(args: argparse.Namespace):
         overrides.append(f"train.out_dir={args.out_dir}")
     if args.iterations is not None:
         overrides.append(f"train.iterations={args.iterations}")
+    if args.reset_optimizer:
+        overrides.append("train.reset_optimizer=true")
     return plan, load_config(args.config, overrides)
 
 
@@ -280,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="train until this iteration (train.iterations); a rerun continues from the newest checkpoint",
+    )
+    p_train.add_argument(
+        "--reset-optimizer",
+        action="store_true",
+        help="resume the newest checkpoint's weights with a fresh optimizer state and LR schedule: what lets a run "
+        "start another flowgrpo.algorithm (or drop its EMA) from them (train.reset_optimizer)",
     )
     p_train.add_argument(
         "--engine",

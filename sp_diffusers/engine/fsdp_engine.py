@@ -401,6 +401,15 @@ class FSDPEngine:
 
     # ---------------------------------------------------------------------------------- checkpoints
 
+    def reset_optimizer(self) -> None:
+        """AdamW's state and the LR schedule from step 0, the parameters (and their EMA) as they are: a resume that
+        starts another algorithm from a checkpoint's weights (``train.reset_optimizer``)."""
+        from .optim import lr_schedule
+
+        self.optimizer.state.clear()
+        self.lr_scheduler = lr_schedule(self.optimizer, self.settings.optim.warmup_steps)
+        self.global_step = 0
+
     def save_checkpoint(
         self, root: str | os.PathLike, step: int | None = None, extra: dict | None = None
     ) -> Path:

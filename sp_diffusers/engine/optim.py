@@ -27,15 +27,21 @@ def training_state(
         )
     o = settings.optim
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    warmup = max(0, o.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-    )
+    scheduler = lr_schedule(optimizer, o.warmup_steps)
     ema = None
     if settings.ema_decay is not None:
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         ema = ParameterEMA(named, settings.ema_decay, settings.ema_interval)
     return trainable, optimizer, scheduler, ema
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate at optimizer step s: linear warm-up over ``warmup_steps``, then constant; from step 0 (a
+    schedule made again for an optimizer that stepped starts over from its initial learning rate)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group.get("initial_lr", group["lr"])
+    warmup = max(0, warmup_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
 
 def average_replicated_grads(trainable: list[torch.nn.Parameter], dp: int) -> None:

@@ -299,6 +299,9 @@ class TrainLoopConfig:
     sample_every: int = 0  # write a grid of samples to <out_dir>/samples every N iterations; 0: never
     sample_count: int = 4  # prompts in a sample grid
     resume: bool = True
+    # resume the newest checkpoint's weights (and EMA) with a fresh optimizer state and LR schedule: the one way to
+    # continue a folder under another flowgrpo.algorithm, or without the EMA its checkpoint keeps (io/run_record.py)
+    reset_optimizer: bool = False
     seed: int = 0
     progress: bool = True
     plot: bool = True

@@ -54,6 +54,7 @@ from .io.data import PromptRow, PromptStream, read_prompts
 from .io.evaluate import Evaluator
 from .io.metrics import RunLog
 from .io.run_lock import lock_run_dir
+from .io.run_record import read_record, resume_problem, run_record
 from .models.adapters import build_adapter
 from .models.conditioning import PromptEncoder, build_conditioning
 from .models.decode import PixelDecoder
@@ -426,11 +427,31 @@ class FlowGRPOTrainer:
 
     # ------------------------------------------------------------------------------------------- loop
 
+    def _check_resume(self) -> None:
+        """Refuse, on every rank and before anything is written, a resume that would make the checkpoint's run
+        another one: another algorithm, or its EMA dropped (``io/run_record.py``), unless ``train.reset_optimizer``."""
+        c = self.config.train
+        latest = self.engine.find_latest(self.ckpt_dir) if c.resume else None  # two experts: one root each
+        if latest is None or c.reset_optimizer:
+            return
+        problem = resume_problem(read_record(latest), self.config, latest)
+        if problem:
+            raise ConfigError(problem)
+
     def _resume(self) -> None:
         latest = self.engine.find_latest  # two experts: one root each
         if not self.config.train.resume or latest(self.ckpt_dir) is None:
             return
         extra = self.engine.load_checkpoint(self.ckpt_dir)
+        if self.config.train.reset_optimizer:
+            self.engine.reset_optimizer()
+            if self.rank == 0:
+                was = extra.get("algorithm", "an unrecorded algorithm")
+                print(
+                    f"--reset-optimizer: {self.config.flowgrpo.algorithm} starts from the weights of "
+                    f"{latest(self.ckpt_dir)} (trained with {was}) with a fresh optimizer state and LR schedule",
+                    flush=True,
+                )
         self.algorithm.attach(self.engine)  # its state follows the loaded weights
         self.start_iteration = int(extra.get("iteration", 0))
         # checkpoints older than data files: the position an unchanged layout reaches
@@ -443,7 +464,7 @@ class FlowGRPOTrainer:
         self.log.truncate(self.start_iteration)
 
     def save(self, iteration: int) -> Path:
-        extra = {"iteration": iteration, "data_position": self.data_position(iteration)}
+        extra = {"iteration": iteration, "data_position": self.data_position(iteration), **run_record(self.config)}
         return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra=extra)
 
     def run(self) -> list[dict[str, Any]]:
@@ -458,6 +479,7 @@ class FlowGRPOTrainer:
 
     def _run(self) -> list[dict[str, Any]]:
         c = self.config.train
+        self._check_resume()
         self.log.open(self.config.to_dict())
         if dist.is_initialized():
             dist.barrier()

@@ -121,6 +121,10 @@ class ExpertEngines:
             )
         return next(iter(found.values()))
 
+    def reset_optimizer(self) -> None:
+        for engine in self.trained.values():
+            engine.reset_optimizer()
+
     def load_checkpoint(self, root: str | Path) -> dict[str, Any]:
         extras = [e.load_checkpoint(Path(root) / n) for n, e in self.trained.items()]
         return extras[0]
