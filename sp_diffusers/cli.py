@@ -29,6 +29,7 @@ DESCRIPTION = (
 )
 USAGE_ERROR = 2
 RUN_FAILED = 1  # the command was right; the run failed in a way its message explains (a reward)
+INTERRUPTED = 130  # Ctrl-C: the shell's status for SIGINT
 QUIET_RANK_WAIT = 30.0  # seconds a rank that does not report waits for rank 0's report under torchrun
 
 
@@ -134,7 +135,24 @@ def _export(args: argparse.Namespace) -> int:
     """``sp-diffusers export --run RUN_DIR --out DIR``: the run's weights in diffusers' formats (one process)."""
     from .flowgrpo.io.export import export_run
 
-    result = export_run(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force, link=args.link)
+    try:
+        result = export_run(
+            args.run,
+            args.out,
+            step=args.step,
+            dtype=args.dtype,
+            force=args.force,
+            link=args.link,
+            link_as_root=args.link_as_root,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"sp-diffusers export: interrupted; nothing was published: --out {args.out} is as it was (the staging "
+            "folder beside it was removed)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return INTERRUPTED
     for note in result.notes:
         print(note)
     for name, folder in result.transformers.items():
@@ -173,6 +191,11 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
         "--link",
         action="store_true",
         help="hard-link the source pipeline's files instead of copying them (no space; made read-only, source included)",
+    )
+    p.add_argument(
+        "--link-as-root",
+        action="store_true",
+        help="allow --link as root (root writes through read-only files: a write into the export changes the source)",
     )
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     p.add_argument(

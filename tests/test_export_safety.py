@@ -106,9 +106,15 @@ def test_a_folder_that_is_not_an_export_is_refused_even_with_force(capsys, runs,
     for target in (pipeline, run):
         before = _files(target)
         status, _, err = _export(capsys, runs["b"], target, "--force")
-        assert status == 2 and f"--out {target} holds files and is not an export (no sp_diffusers_export.json)" in err
-        assert "even with --force, so nothing of yours (a pipeline, a run) is overwritten; fix: --out a new folder" in err
+        if target == pipeline:  # the run's own model.pipeline: refused as that first
+            assert status == 2 and f"is the folder the run trains from (model.pipeline={pipeline})" in err
+        else:
+            assert status == 2 and f"--out {target} holds files and is not an export (no sp_diffusers_export.json)" in err
+            assert "even with --force, so nothing of yours (a pipeline, a run) is overwritten; fix: --out a new folder" in err
         assert _files(target) == before and _beside(target) == []
+    before = _files(pipeline)  # without --force: refused as a folder that is not an export
+    status, _, err = _export(capsys, runs["b"], pipeline)
+    assert status == 2 and "holds files and is not an export" in err and _files(pipeline) == before
     a_file = tmp_path / "weights.bin"
     a_file.write_bytes(b"x")
     status, _, err = _export(capsys, runs["b"], a_file)
@@ -204,7 +210,8 @@ def test_link_is_asked_for_said_and_read_only(capsys, runs, tmp_path):
     pipeline = runs["pipeline"]
     out = tmp_path / "export"
     try:
-        status, printed, _ = _export(capsys, runs["a"], out, "--link")
+        as_root = ("--link-as-root",) if os.geteuid() == 0 else ()  # refused as root otherwise (test below)
+        status, printed, _ = _export(capsys, runs["a"], out, "--link", *as_root)
         assert status == 0 and "files hard-linked (--link: one inode with the source, read-only)" in printed
         assert "a write into the export fails instead of changing the source" in printed
         assert json.loads((out / "sp_diffusers_export.json").read_text())["files"] == "link"
@@ -240,3 +247,60 @@ def test_an_export_racing_another_writer_keeps_what_is_there(capsys, runs, tmp_p
     assert status == 2 and f"--out {out} was written by something else while this export ran" in err
     assert _files(out) == {"sp_diffusers_export.json": hashlib.sha256(b'{"run": "the other export"}').hexdigest()}
     assert _beside(out) == []  # this export's staging folder is gone: no mix, no leftovers
+
+
+def test_link_as_root_is_refused_unless_asked_for(capsys, runs, tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    out = tmp_path / "export"
+    status, _, err = _export(capsys, runs["a"], out, "--link")
+    assert status == 2 and "--link as root: the linked files are read-only, but root writes through that" in err
+    assert "fix: export without --link" in err and "--link-as-root where nothing will write" in err
+    assert not out.exists() and _beside(out) == []
+
+
+def test_link_across_file_systems_says_it_copied(capsys, runs, tmp_path, monkeypatch):
+    import errno
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    status, printed, _ = _export(capsys, runs["a"], tmp_path / "export", "--link", "--link-as-root")
+    assert status == 0
+    assert "--link: " in printed and "on another file system than --out" in printed and "copied instead" in printed
+
+
+def test_force_never_replaces_the_current_directory_or_the_run_s_own_pipeline(capsys, runs, tmp_path, monkeypatch):
+    out = tmp_path / "export"
+    assert _export(capsys, runs["b"], out)[0] == 0
+    before = _files(out)
+    monkeypatch.chdir(out / "transformer")  # inside it: replacing it would pull the folder from under the shell
+    status, _, err = _export(capsys, runs["b"], out, "--force")
+    assert status == 2 and f"--out {out} is the current directory (or holds it)" in err and "cd out of it" in err
+    monkeypatch.chdir(tmp_path)
+    # a run that trains from that export (model.pipeline): exporting it over its own source is refused
+    run = tmp_path / "run-from-export"
+    run.mkdir()
+    config = json.loads((runs["b"] / "config.json").read_text())
+    config["model"]["pipeline"] = str(out)
+    (run / "config.json").write_text(json.dumps(config))
+    status, _, err = _export(capsys, run, out, "--force")
+    assert status == 2 and f"is the folder the run trains from (model.pipeline={out})" in err
+    assert _files(out) == before
+
+
+def test_ctrl_c_during_an_export_is_one_line_and_keeps_the_previous_export(capsys, runs, tmp_path, monkeypatch):
+    from sp_diffusers.flowgrpo.io import export
+
+    out = tmp_path / "export"
+    assert _export(capsys, runs["a"], out)[0] == 0
+    before = _files(out)
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "_write", interrupted)
+    status, _, err = _export(capsys, runs["a"], out, "--force")
+    assert status == 130 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("sp-diffusers export: interrupted; nothing was published")
+    assert _files(out) == before and _beside(out) == []

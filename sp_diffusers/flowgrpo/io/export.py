@@ -24,6 +24,7 @@ saves its EMA weights.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,14 +177,16 @@ def export_run(
     dtype: str = "fp32",
     force: bool = False,
     link: bool = False,
+    link_as_root: bool = False,
 ) -> Exported:
     """Write the run's trained weights to ``out_dir`` in diffusers' formats (module docstring): staged beside it and
     renamed into place; an export already there is replaced only with ``force``; ``link`` hard-links the source
-    pipeline's files (read-only) instead of cloning or copying them."""
+    pipeline's files (read-only) instead of cloning or copying them (as root only with ``link_as_root``)."""
     if dtype not in _DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(_DTYPES)}")
     run_dir, out = Path(run_dir), Path(out_dir).absolute()
     config = run_config(run_dir)
+    _check_out(out, config, force, link, link_as_root)
     replace, notes = prepare_target(out, force)  # before anything is loaded: a refusal costs nothing
     stage = staging_folder(out)
     try:
@@ -200,7 +203,40 @@ def export_run(
     result.loras = {n: out / p.name for n, p in result.loras.items()}
     result.pipeline = out if result.pipeline is not None else None
     result.replaced, result.notes = replace, notes
+    copied = result.files.get("copy", 0) + result.files.get("clone", 0)
+    if link and copied:
+        notes.append(
+            f"--link: {copied} of the source pipeline's files are on another file system than --out (a hard link "
+            "cannot cross one): they were copied instead"
+        )
     return result
+
+
+def _check_out(out: Path, config: TrainConfig, force: bool, link: bool, link_as_root: bool) -> None:
+    """Refuse an export that would pull a folder from under its user, or share writable inodes with root."""
+    if force:
+        here = Path.cwd().resolve()
+        target = out.resolve()
+        if here == target or target in here.parents:
+            raise ConfigError(
+                f"--out {out} is the current directory (or holds it): replacing it would leave this shell in a "
+                "deleted folder; fix: cd out of it first (e.g. cd ..), then export again"
+            )
+        for key in ("model.pipeline", "model.pretrained", "text.pipeline"):
+            section, name = key.split(".")
+            source = getattr(getattr(config, section), name)
+            if source and target in (Path(source).resolve(), *Path(source).resolve().parents):
+                raise ConfigError(
+                    f"--out {out} is the folder the run trains from ({key}={source}): replacing it would change what "
+                    "the run and a resume of it load; fix: --out another folder"
+                )
+    if link and not link_as_root and hasattr(os, "geteuid") and os.geteuid() == 0:
+        raise ConfigError(
+            "--link as root: the linked files are read-only, but root writes through that, and a write into the "
+            "export (a save_pretrained, an editor) would change the source pipeline's file, which is the same file; "
+            "fix: export without --link (copy-on-write clones where the file system offers them), or --link "
+            "--link-as-root where nothing will write into the export"
+        )
 
 
 def _write(config: TrainConfig, run_dir: Path, out: Path, step: int | None, dtype: str, link: bool) -> Exported:
