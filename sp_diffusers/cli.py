@@ -220,6 +220,8 @@ def _sample(args: argparse.Namespace) -> int:
         width=args.width,
         frames=args.frames,
         guidance=args.guidance,
+        true_cfg=args.true_cfg,
+        negative_prompt=args.negative_prompt,
         seed=args.seed,
         dtype=args.dtype,
         max_sequence_length=args.max_sequence_length,
@@ -250,7 +252,23 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's)")
     p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's)")
     p.add_argument("--frames", type=int, default=None, help="video frames (Wan; default: the pipeline's)")
-    p.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the pipeline's)")
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="guidance_scale (default: the pipeline's); Qwen-Image(-Edit) and FLUX.1 without guidance embedding: "
+        "--true-cfg",
+    )
+    p.add_argument(
+        "--true-cfg",
+        type=float,
+        default=None,
+        help="true_cfg_scale of Qwen-Image(-Edit), FLUX.1 and Kontext: classifier-free guidance with a negative "
+        "prompt (default 1: none)",
+    )
+    p.add_argument(
+        "--negative-prompt", default=None, help="the negative prompt (with --true-cfg > 1 and none given: ' ')"
+    )
     p.add_argument("--max-sequence-length", type=int, default=None, help="text tokens (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0, help="the noise seed (the same on every rank)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the pipeline's dtype")

@@ -142,11 +142,7 @@ def test_sample_refuses_an_unreadable_image_in_one_line(tmp_path):
     truncated = tmp_path / "truncated.png"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
 
-    class Edit:  # what _sources reads of a pipeline: its class name
-        pass
-
-    Edit.__name__ = "QwenImageEditPipeline"
     with pytest.raises(ConfigError, match=r"--image .*truncated\.png cannot be decoded \(.*\); fix: a readable image"):
-        _sources(Edit(), [str(truncated)])
-    (image,) = _sources(Edit(), [str(good)])
+        _sources("QwenImageEditPipeline", [str(truncated)])
+    (image,) = _sources("QwenImageEditPipeline", [str(good)])
     assert image.mode == "RGB"

@@ -24,9 +24,9 @@ _VIDEO_SUFFIXES = (".mp4", ".gif")
 _CONDITIONED = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "FluxKontextPipeline", "WanImageToVideoPipeline")
 
 
-def _sources(pipe: Any, images: list[str] | None) -> list[Any] | None:
-    """The ``--image`` files as RGB images, for the pipelines conditioned on them (refused for the others)."""
-    name = type(pipe).__name__
+def _sources(name: str, images: list[str] | None) -> list[Any] | None:
+    """The ``--image`` files as RGB images, for the pipelines (``name``: the class) conditioned on them (refused for
+    the others)."""
     if name not in _CONDITIONED:
         if images:
             raise ConfigError(f"--image: {name} takes no source image; fix: leave --image out")
@@ -53,16 +53,71 @@ def _sources(pipe: Any, images: list[str] | None) -> list[Any] | None:
     return out
 
 
+def _pipeline_class(pipeline: Path) -> tuple[str, Any]:
+    """The folder's pipeline class name (``model_index.json``) and the class diffusers has by that name."""
+    import json
+
+    import diffusers
+
+    index = pipeline / "model_index.json"
+    if not index.is_file():
+        raise ConfigError(f"--pipeline {pipeline}: no model_index.json; fix: a diffusers pipeline folder")
+    name = json.loads(index.read_text()).get("_class_name", "")
+    cls = getattr(diffusers, name, None)
+    if cls is None:
+        raise ConfigError(f"--pipeline {pipeline}: diffusers {diffusers.__version__} has no pipeline class {name!r}")
+    return name, cls
+
+
+def _guidance(
+    pipeline: Path, name: str, cls: Any, guidance: float | None, true_cfg: float | None, negative: str | None
+) -> dict[str, Any]:
+    """The guidance keywords ``name``'s ``__call__`` reads, from ``--guidance`` / ``--true-cfg`` /
+    ``--negative-prompt``; a flag the pipeline would ignore is refused. Qwen-Image(-Edit) and FLUX.1 without
+    guidance embedding guide by ``true_cfg_scale`` with a negative prompt (their ``guidance_scale`` is for
+    guidance-distilled transformers only)."""
+    import inspect
+    import json
+
+    params = inspect.signature(cls.__call__).parameters
+    config = pipeline / "transformer" / "config.json"
+    embeds = bool(json.loads(config.read_text()).get("guidance_embeds", False)) if config.is_file() else False
+    takes_true_cfg = "true_cfg_scale" in params
+    kwargs: dict[str, Any] = {}
+    if guidance is not None:
+        if takes_true_cfg and not embeds:
+            raise ConfigError(
+                f"--guidance {guidance:g}: {name}'s transformer has no guidance embedding, so its guidance_scale does "
+                f"nothing; its classifier-free guidance is true_cfg_scale with a negative prompt; fix: --true-cfg "
+                f"{guidance:g} (and --negative-prompt TEXT; default ' ')"
+            )
+        if "guidance_scale" not in params:
+            raise ConfigError(f"--guidance: {name} takes no guidance_scale; fix: leave --guidance out")
+        kwargs["guidance_scale"] = guidance
+    if true_cfg is not None and not takes_true_cfg:
+        raise ConfigError(f"--true-cfg: {name} takes no true_cfg_scale; fix: --guidance {true_cfg:g}")
+    if negative is not None and "negative_prompt" not in params:
+        raise ConfigError(f"--negative-prompt: {name} takes no negative prompt; fix: leave it out")
+    if takes_true_cfg:
+        # without --true-cfg: 1 (the pipeline's default of 4 without a negative prompt is no guidance at all, and a
+        # warning each call); with it, a negative prompt (' ' where none is given: what diffusers' examples pass)
+        kwargs["true_cfg_scale"] = true_cfg if true_cfg is not None else 1.0
+        if kwargs["true_cfg_scale"] > 1.0 and negative is None:
+            negative = " "
+    if negative is not None:
+        kwargs["negative_prompt"] = negative
+    return kwargs
+
+
 def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
-def _parallelize(pipe: Any, ulysses: int) -> None:
+def _join(ulysses: int) -> None:
+    """The process group of ``--ulysses`` ranks (under torchrun), joined before the pipeline loads."""
     import torch.distributed as dist
-
-    import sp_diffusers
 
     from ...parallel.launch import init_distributed
 
@@ -73,6 +128,11 @@ def _parallelize(pipe: Any, ulysses: int) -> None:
             f"--ulysses {ulysses} with {world} processes: sample renders one batch over one SP group; fix: "
             f"torchrun --nproc_per_node {ulysses} ... sample --ulysses {ulysses}"
         )
+
+
+def _parallelize(pipe: Any, ulysses: int) -> None:
+    import sp_diffusers
+
     sp_diffusers.install()
     for name in ("transformer", "transformer_2"):
         model = getattr(pipe, name, None)
@@ -94,6 +154,8 @@ def render(
     width: int | None = None,
     frames: int | None = None,
     guidance: float | None = None,
+    true_cfg: float | None = None,
+    negative_prompt: str | None = None,
     seed: int = 0,
     dtype: str = "fp32",
     max_sequence_length: int | None = None,
@@ -103,7 +165,9 @@ def render(
     """Render ``prompts`` with ``pipeline`` and write ``out`` on rank 0 (its path there; None elsewhere); ``images``:
     the source image(s) of an editing or image-to-video pipeline (each prompt is rendered with them, one call each,
     as those pipelines take one image batch per call); ``compile``: the transformers' blocks or whole forwards
-    compiled (``sp_diffusers.engine.compiling``), as ``train.compile`` does."""
+    compiled (``sp_diffusers.engine.compiling``), as ``train.compile`` does; ``guidance`` / ``true_cfg`` /
+    ``negative_prompt``: what the pipeline's ``__call__`` reads (``_guidance``). Every argument is checked before
+    the pipeline loads."""
     import diffusers
     import torch.distributed as dist
 
@@ -111,47 +175,50 @@ def render(
     from ..models.pipeline_io import from_pretrained
     from .media import save_image, save_video
 
-    out = Path(out)
+    out, pipeline = Path(out), Path(pipeline)
+    # every argument checked before a weight is read: a mistake costs a second, not a pipeline load
     if out.suffix.lower() not in (".png", *_VIDEO_SUFFIXES):
         raise ConfigError(f"--out {out}: write .png (images) or .mp4 / .gif (videos)")
-    if not (Path(pipeline) / "model_index.json").is_file():
-        raise ConfigError(f"--pipeline {pipeline}: no model_index.json; fix: a diffusers pipeline folder")
+    name, cls = _pipeline_class(pipeline)
     if ulysses < 1:
         raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
     if compile not in COMPILE_MODES:
         raise ConfigError(f"--compile {compile}: one of {', '.join(COMPILE_MODES)}")
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    extra: dict[str, Any] = {}
-    if (Path(pipeline) / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
-        from ...families.processors import load_qwen_vl_processor
-
-        extra["processor"] = load_qwen_vl_processor(Path(pipeline) / "processor")
-    pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype, **extra)
-    sources = _sources(pipe, images)
-    video = type(pipe).__name__.startswith("Wan")
+    video = name.startswith("Wan")
     if video != (out.suffix.lower() in _VIDEO_SUFFIXES):
         kind = "a video pipeline: write .mp4 or .gif" if video else "an image pipeline: write .png"
-        raise ConfigError(f"--out {out}: {type(pipe).__name__} is {kind}")
+        raise ConfigError(f"--out {out}: {name} is {kind}")
+    for file, flag in ((lora, "--lora"), (lora_2, "--lora-2")):
+        if file and not Path(file).is_file():
+            raise ConfigError(f"{flag} {file}: no such file (a .safetensors LoRA)")
+    guidance_kwargs = _guidance(pipeline, name, cls, guidance, true_cfg, negative_prompt)
+    sources = _sources(name, images)
+    if ulysses > 1:
+        _join(ulysses)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    extra: dict[str, Any] = {}
+    if (pipeline / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
+        from ...families.processors import load_qwen_vl_processor
+
+        extra["processor"] = load_qwen_vl_processor(pipeline / "processor")
+    pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype, **extra)
     for file, into_2 in ((lora, False), (lora_2, True)):
         if file:
             path = Path(file)
-            if not path.is_file():
-                raise ConfigError(f"--lora{'-2' if into_2 else ''} {file}: no such file (a .safetensors LoRA)")
             extra = {"load_into_transformer_2": True} if into_2 else {}
             pipe.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
     pipe.to(_device())
     pipe.set_progress_bar_config(disable=True)
-    for name in ("transformer", "transformer_2"):  # before the plan's hooks wrap the forwards
-        if getattr(pipe, name, None) is not None:
-            compile_model(getattr(pipe, name), compile)
+    for part in ("transformer", "transformer_2"):  # before the plan's hooks wrap the forwards
+        if getattr(pipe, part, None) is not None:
+            compile_model(getattr(pipe, part), compile)
     if ulysses > 1:
         _parallelize(pipe, ulysses)
-    kwargs: dict[str, Any] = {"prompt": list(prompts), "output_type": "pt"}
+    kwargs: dict[str, Any] = {"prompt": list(prompts), "output_type": "pt", **guidance_kwargs}
     for key, value in (
         ("num_inference_steps", steps),
         ("height", height),
         ("width", width),
-        ("guidance_scale", guidance),
         ("max_sequence_length", max_sequence_length),
     ):
         if value is not None:
@@ -162,7 +229,7 @@ def render(
         result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
         pixels = (result.frames if video else result.images).float().cpu()
     else:
-        if type(pipe).__name__ == "FluxKontextPipeline" and height and width:
+        if name == "FluxKontextPipeline" and height and width:
             kwargs["max_area"] = height * width  # Kontext scales the output to max_area (1 MP) otherwise
         parts = []
         for prompt in prompts:
