@@ -37,6 +37,13 @@ def _config(**sections):
     return load_config(None, overrides)
 
 
+def _checked(**sections):
+    """A config through load_config and the algorithm's checks (what train --check and the trainer run)."""
+    from sp_diffusers.flowgrpo.build import check_algorithm
+
+    check_algorithm(_config(**sections))
+
+
 def _trainer(**sections):
     from sp_diffusers.flowgrpo.trainer import FlowGRPOTrainer
 
@@ -414,6 +421,46 @@ CASES = [
         lambda mp, tp: _second_run(tp),
         ValueError,
         ["train.out_dir=", "in use by a run that is still going", "pid ", "--out-dir"],
+    ),
+    # every key is read or refused: another algorithm's section, the EMA's keys without an EMA, CFG's batching
+    # without CFG; one rule per key for every algorithm (issue 42)
+    (
+        "key_of_another_algorithm",
+        lambda mp, tp: _checked(**{"flowgrpo.mix.window_size": 2}),
+        ValueError,
+        ["flowgrpo.mix.window_size=2", "read by mix_grpo only", "flowgrpo.algorithm=flow_grpo does nothing", "fix"],
+    ),
+    (
+        "nft_key_with_grpo_guard",
+        lambda mp, tp: _checked(**{"flowgrpo.algorithm": "grpo_guard", "flowgrpo.nft.beta": 0.1}),
+        ValueError,
+        ["flowgrpo.nft.beta=0.1", "read by diffusion_nft only", "flowgrpo.algorithm=grpo_guard", "fix: drop it"],
+    ),
+    (
+        "ema_decay_without_ema",
+        lambda mp, tp: _config(**{"flowgrpo.ema_decay": 0.99}),
+        ValueError,
+        ["flowgrpo.ema_decay=0.99", "flowgrpo.ema=false keeps none", "fix: flowgrpo.ema=true"],
+    ),
+    (
+        "cfg_batch_without_cfg",
+        lambda mp, tp: _config(**{"rollout.cfg_batch": False}),
+        ValueError,
+        ["rollout.cfg_batch=False", "flowgrpo.cfg_scale=1 runs none", "fix"],
+    ),
+    (
+        "timestep_fraction_over_one_for_flow_grpo",
+        lambda mp, tp: _config(**{"flowgrpo.timestep_fraction": 1.5}),
+        ValueError,
+        ["flowgrpo.timestep_fraction=1.5", "(0, 1] for every algorithm"],
+    ),
+    (
+        "mix_window_past_the_steps_for_every_strategy",
+        lambda mp, tp: _checked(
+            **{"flowgrpo.algorithm": "mix_grpo", "flowgrpo.mix.window_size": 20, "flowgrpo.num_steps": 8}
+        ),
+        ValueError,
+        ["flowgrpo.mix.window_size=20", "at most num_steps - 2 = 6"],
     ),
     (
         "return_lse",

@@ -79,6 +79,19 @@ def test_rl_iteration_gathers_once_where_it_gathered_every_step(tmp_path):
     assert set(image["seconds"]) == {"before", "after"}
 
 
+def test_rl_iteration_with_a_reward_server_runs_each_chunking(tmp_path):
+    from benchmarks import rl_iteration
+
+    out = tmp_path / "overlap.json"
+    argv = ["--workload", "image", "--steps", "3", "--repeats", "1", "--reward-seconds", "0.01", "--chunks", "1", "2"]
+    rl_iteration.main([*argv, "--json", str(out)])
+    image = json.loads(out.read_text())["image"]
+    assert set(image["seconds"]) == {"chunks 1", "chunks 2"} and image["ratio"]["chunks 1"] == 1.0
+    # the same iteration scored beside the rollout: the server's rewards (the latents' mean) agree
+    assert abs(image["reward_mean"]["chunks 1"] - image["reward_mean"]["chunks 2"]) <= 1e-5
+    assert image["reward_wait_seconds"]["chunks 1"] is None and image["reward_wait_seconds"]["chunks 2"] >= 0
+
+
 def test_peers_are_exact_and_none_is_dropped(tmp_path):
     """A tiny run of the side-by-side with the peers, with what this venv has: ours (in a forward's scope and
     called directly), the textbook exchange, diffusers' native Ulysses and the floor each match one process

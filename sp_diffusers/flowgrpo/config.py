@@ -407,7 +407,28 @@ def validate(config: TrainConfig) -> None:
         "must be >= 1 (1: no CFG)",
     )
     require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    require(
+        0 <= g.timestep_fraction <= 1,
+        "flowgrpo.timestep_fraction",
+        g.timestep_fraction,
+        "must be in (0, 1] for every algorithm (0: the algorithm's own; flow_grpo's configs use 0.99)",
+    )
     require(0 <= g.ema_decay < 1, "flowgrpo.ema_decay", g.ema_decay, "must be in [0, 1); flow_grpo uses 0.9")
+    fresh = FlowGRPOConfig()
+    for key in ("ema_decay", "ema_interval"):
+        require(
+            g.ema or getattr(g, key) == getattr(fresh, key),
+            f"flowgrpo.{key}",
+            getattr(g, key),
+            "sets the EMA, and flowgrpo.ema=false keeps none; fix: flowgrpo.ema=true, or drop it",
+        )
+    require(
+        g.cfg_scale > 1.0 or config.rollout.cfg_batch == RolloutConfig().cfg_batch,
+        "rollout.cfg_batch",
+        config.rollout.cfg_batch,
+        "says how classifier-free guidance runs, and flowgrpo.cfg_scale=1 runs none; fix: drop it, or "
+        "flowgrpo.cfg_scale > 1",
+    )
     require(g.ema_interval >= 1, "flowgrpo.ema_interval", g.ema_interval, "must be >= 1; flow_grpo uses 8")
     for key, value in (
         ("rollout.gather_params", config.rollout.gather_params),

@@ -105,6 +105,7 @@ class Algorithm:
     """The Flow-GRPO family's defaults; subclasses override what their reference does differently."""
 
     name: ClassVar[str] = ""
+    section: ClassVar[str | None] = None  # its own keys: flowgrpo.<section>.* (read by no other algorithm)
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
     default_timestep_fraction: ClassVar[float] = 0.99  # flowgrpo.timestep_fraction: 0 -> this (the reference's)

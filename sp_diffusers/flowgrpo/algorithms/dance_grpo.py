@@ -23,6 +23,7 @@ DANCE_KL = ("verl_omni", "flow_grpo")
 
 class DanceGRPO(Algorithm):
     name = "dance_grpo"
+    section = "dance"
     schedule_kind = "linspace"
     final_is_prediction = True
     default_timestep_fraction = 0.6  # DanceGRPO's scripts

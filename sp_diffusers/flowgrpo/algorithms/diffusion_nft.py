@@ -131,6 +131,7 @@ def _step_seed(seed: int, k: int) -> int:
 
 class DiffusionNFT(Algorithm):
     name = "diffusion_nft"
+    section = "nft"
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)

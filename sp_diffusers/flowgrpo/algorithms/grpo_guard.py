@@ -121,6 +121,7 @@ def grpo_guard_loss(
 
 class GRPOGuard(FlowGRPO):
     name = "grpo_guard"
+    section = "guard"
     default_sde_steps = "all"  # flow_grpo's GRPO-Guard script samples every step with noise
 
     @classmethod

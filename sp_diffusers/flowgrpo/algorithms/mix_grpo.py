@@ -87,6 +87,7 @@ class MixWindows:
 
 class MixGRPO(Algorithm):
     name = "mix_grpo"
+    section = "mix"
     schedule_kind = "linspace"  # the reference samples on shift(linspace(1, 0, N + 1)), timesteps int(1000 sigma)
 
     def __init__(self, config: TrainConfig) -> None:
@@ -119,14 +120,13 @@ class MixGRPO(Algorithm):
         )
         require(g.mix.iters_per_group >= 1, "flowgrpo.mix.iters_per_group", g.mix.iters_per_group, "at least 1")
         require(g.mix.prog_overlap_step >= 0, "flowgrpo.mix.prog_overlap_step", g.mix.prog_overlap_step, "at least 0")
-        if g.mix.strategy == "random":
-            require(
-                g.mix.window_size <= g.num_steps - 2,
-                "flowgrpo.mix.window_size",
-                g.mix.window_size,
-                f"the random strategy draws a start in [0, num_steps - 2 - mix.window_size]; fix: at most "
-                f"num_steps - 2 = {g.num_steps - 2}",
-            )
+        require(  # one rule for every strategy: a larger window would be cut to the steps, quietly
+            g.mix.window_size <= g.num_steps - 2,
+            "flowgrpo.mix.window_size",
+            g.mix.window_size,
+            f"the window lies within the trained steps 0..num_steps - 3 (the reference never trains the last two); "
+            f"fix: at most num_steps - 2 = {g.num_steps - 2}, or more flowgrpo.num_steps",
+        )
         if g.mix.strategy == "decay":
             require(
                 1 <= g.mix.min_iters_per_group <= g.mix.max_iters_per_group,

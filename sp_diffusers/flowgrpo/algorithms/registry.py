@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import ConfigError, TrainConfig
 from .base import Algorithm
 from .dance_grpo import DanceGRPO
@@ -26,8 +28,22 @@ def algorithm_class(config: TrainConfig) -> type[Algorithm]:
 
 
 def check_algorithm_keys(config: TrainConfig) -> None:
-    """The algorithm's name and its own keys (``Algorithm.check``)."""
-    algorithm_class(config).check(config)
+    """The algorithm's name and its own keys (``Algorithm.check``); another algorithm's section set away from its
+    defaults is refused: the chosen algorithm would not read it."""
+    chosen = algorithm_class(config)
+    for cls in ALGORITHMS.values():
+        if cls is chosen or cls.section is None:
+            continue
+        section = getattr(config.flowgrpo, cls.section)
+        fresh = type(section)()
+        changed = [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(fresh, f.name)]
+        if changed:
+            keys = ", ".join(f"flowgrpo.{cls.section}.{k}={getattr(section, k)!r}" for k in changed)
+            raise ConfigError(
+                f"{keys}: read by {cls.name} only, and flowgrpo.algorithm={chosen.name} does nothing with it; fix: "
+                f"drop it, or flowgrpo.algorithm={cls.name}"
+            )
+    chosen.check(config)
 
 
 def algorithm_for(config: TrainConfig) -> Algorithm:
