@@ -119,7 +119,21 @@ def _train(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(f"algorithm: {config.flowgrpo.algorithm}; schedule: {trainer.schedule.source}", flush=True)
-    history = trainer.run()
+    try:
+        history = trainer.run()
+    except Exception as err:
+        from .parallel.launch import lost_peer
+
+        lost = lost_peer(err)
+        if lost is None or os.environ.get("SP_DIFFUSERS_TRACEBACK"):
+            raise
+        print(
+            f"sp-diffusers train: error: {lost}; this rank stops too; fix: that rank's own output says why it "
+            f"stopped; the same command again resumes from the newest checkpoint in {trainer.ckpt_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return RUN_FAILED
     trained = [m for m in history if m["iteration"] > trainer.start_iteration]
     if trainer.rank == 0 and trained:
         n = min(5, len(trained))

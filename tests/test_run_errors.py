@@ -50,6 +50,17 @@ def fine(x, prompts, metadata):
 
 
 SERVED = []
+CALLS = []
+
+
+def rank1_killed_in_iteration_2(x, prompts, metadata):
+    import os
+    import signal
+
+    CALLS.append(1)
+    if dist.get_rank() == 1 and len(CALLS) == 2:  # SIGKILL: no Python cleanup, no message of its own
+        os.kill(os.getpid(), signal.SIGKILL)
+    return torch.zeros(x.shape[0])
 
 
 def dies_at_its_third_request(x, prompts, metadata):
@@ -98,8 +109,14 @@ def failures(tmp_path_factory):
     url_entry = f"[{{url: 'http://127.0.0.1:{port}', input: latents, retries: 1, timeout: 30}}]"
     server_killed = _argv(root, "server_killed", "fine", "--set", f"flowgrpo.rewards={url_entry}", "--set",
                           "rollout.chunks=2", "--set", "train.save_every=1", "--iterations", "2")
+    stale_wandb = {  # a key W&B's server refuses or cannot be asked about: here a server that is not there
+        "WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "5",
+        "WANDB_MODE": "online", "WANDB_SILENT": "true", "WANDB_DIR": str(root),
+    }
     cases = [
         ("server_killed", server_killed, {}),
+        ("wandb_unreachable", _argv(root, "wandb_unreachable", "fine", "--set", "train.loggers=[jsonl, wandb]"),
+         stale_wandb),
         ("rank1_raises", _argv(root, "rank1_raises", "rank1_fails"), {}),
         ("wrong_shape", _argv(root, "wrong_shape", "wide"), {}),
         ("nan", _argv(root, "nan", "nan"), {}),
@@ -155,6 +172,8 @@ def _block(stderr: str) -> str:
                            "prompt (a .jsonl line's; {} for a .txt file)"]),
         ("server_killed", 1, ["flowgrpo.rewards: on rank 0, reward 'http://127.0.0.1:", "reward server http://127.0.0.1:",
                               "(after 2 tries); every rank stops; fix: start it with `sp-diffusers reward-server"]),
+        ("wandb_unreachable", 2, ["train.loggers failed on rank 0", "W&B did not start (", "fix: check the network "
+                                  "and the key (wandb login), or WANDB_MODE=offline"]),
         ("checkpoint", 2, ["preparing checkpoint folder ", "failed on rank 0",
                            "fix: make ", "a writable folder with free space, then run again: it resumes from the "
                            "newest checkpoint"]),
@@ -192,6 +211,20 @@ def test_the_traceback_is_behind_the_switch(failures):
         )
 
 
+def test_wandb_without_a_key_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    from sp_diffusers.flowgrpo.config import ConfigError, load_config
+
+    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no `wandb login`
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    with pytest.raises(ConfigError, match=r"train.loggers=.*W&B has no API key here .* fix: wandb login, or "
+                       r"WANDB_MODE=offline"):
+        load_config(None, ["train.loggers=[jsonl, wandb]"])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    load_config(None, ["train.loggers=[jsonl, wandb]"])  # offline needs no key
+
+
 def test_under_torchrun_a_reward_failing_on_one_rank_is_one_message(tmp_path):
     (tmp_path / "rewards.py").write_text(REWARDS)
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -205,3 +238,20 @@ def test_under_torchrun_a_reward_failing_on_one_rank_is_one_message(tmp_path):
     # no rank printed a traceback of ours (torchrun's own report of the exit status is the launcher's)
     assert "sp_diffusers/" not in proc.stderr, proc.stderr[-3000:]
     assert "exitcode  : 1" in proc.stderr  # rank 0 exited with the run-failure status, not a crash
+
+
+def test_a_rank_killed_mid_run_is_one_line_naming_it_and_the_rerun_resumes(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    # a slow monitor: torchrun would otherwise stop rank 0 as soon as it sees rank 1 gone, before rank 0 speaks
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "--monitor-interval", "10", "-m", "sp_diffusers.cli"]
+    cmd += _argv(tmp_path, "run", "rank1_killed_in_iteration_2", "--set", "train.save_every=1", "--iterations", "3")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = [x for x in proc.stderr.splitlines() if "sp-diffusers train: error:" in x]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "rank 1 stopped mid-run (its process is gone); this rank stops too" in errors[0], errors
+    assert "the same command again resumes from the newest checkpoint in" in errors[0]
+    assert "sp_diffusers/" not in proc.stderr, proc.stderr[-3000:]  # no traceback of ours
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()

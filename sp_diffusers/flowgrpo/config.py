@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -335,6 +336,20 @@ class TrainConfig:
 # ------------------------------------------------------------------------------ values that cannot train
 
 
+def _wandb_key_or_offline() -> bool:
+    """Whether W&B can start without asking for a key: offline / disabled, or a key in the environment or netrc."""
+    import netrc
+    import urllib.parse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def require(ok: bool, key: str, value: Any, rule: str) -> None:
     """Refuse a value that cannot train: ``ConfigError`` naming the key, the value and the rule."""
     if not ok:
@@ -467,6 +482,14 @@ def validate(config: TrainConfig) -> None:
             "train.loggers",
             t.loggers,
             "wandb is not installed; fix: pip install 'sp-diffusers[wandb]' (or drop wandb from train.loggers)",
+        )
+        require(
+            _wandb_key_or_offline(),
+            "train.loggers",
+            t.loggers,
+            "W&B has no API key here (no WANDB_API_KEY, no `wandb login` in ~/.netrc) and WANDB_MODE is not offline; "
+            "fix: wandb login, or WANDB_MODE=offline (the run kept on disk; `wandb sync` uploads it later), or drop "
+            "wandb from train.loggers",
         )
     require(
         not t.eval_every or bool(config.data.eval),

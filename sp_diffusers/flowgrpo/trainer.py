@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 
 from ..engine import EngineSettings, FSDPEngine
+from ..engine.checkpoint_files import agree
 from ..engine.compiling import compiled_graphs
 from ..parallel.devices import fetch_scalars, to_device
-from ..parallel.launch import init_distributed
+from ..parallel.launch import init_distributed, record_peers
 from ..parallel.ledger import CommLedger, as_metrics, comm_phase
 from ..parallel.padding import length_bucket
 from .algorithms.base import StepContext
@@ -95,6 +96,7 @@ class FlowGRPOTrainer:
         passes one that builds it through verl's ``EngineRegistry``)."""
         validate(config)  # a config built in code gets the checks load_config gives a YAML one
         init_distributed()
+        record_peers()  # so that a rank that dies mid-run is named (the CLI's one line)
         self.config = c = config
         check_algorithm(c)
         self.algorithm = algorithm_for(c)  # the one place the loop meets the algorithm's name (algorithms/)
@@ -480,7 +482,12 @@ class FlowGRPOTrainer:
     def _run(self) -> list[dict[str, Any]]:
         c = self.config.train
         self._check_resume()
-        self.log.open(self.config.to_dict())
+        agree(  # rank 0 starts the loggers; a W&B that does not start stops every rank with its one line
+            self.log.open(self.config.to_dict()),
+            "train.loggers",
+            fix="check the network and the key (wandb login), or WANDB_MODE=offline (the run kept on disk; `wandb "
+            "sync` uploads it later), or drop wandb from train.loggers",
+        )
         if dist.is_initialized():
             dist.barrier()
         self._resume()

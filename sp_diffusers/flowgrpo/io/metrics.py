@@ -37,10 +37,11 @@ class RunLog:
 
             self._bar = tqdm(total=total, initial=initial, desc="FlowGRPO", unit="it", dynamic_ncols=True)
 
-    def open(self, config: dict[str, Any]) -> None:
-        """Create the output folder, write ``config.json``, start TensorBoard (optional)."""
+    def open(self, config: dict[str, Any]) -> str | None:
+        """Create the output folder, write ``config.json``, start TensorBoard (optional) and W&B; what went wrong
+        starting W&B (None: nothing), for every rank to agree on (a network that does not answer, a stale key)."""
         if self.rank != 0:
-            return
+            return None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(config, indent=2))
         if "tensorboard" in self.loggers:
@@ -51,7 +52,12 @@ class RunLog:
             except Exception:  # tensorboard is optional
                 self._tb = None
         if "wandb" in self.loggers:
-            self._wandb = _wandb_run(self.out_dir, self.project, config)
+            try:
+                self._wandb = _wandb_run(self.out_dir, self.project, config)
+            except Exception as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                return f"W&B did not start ({type(err).__name__}: {first[:300]})"
+        return None
 
     def append(self, metrics: dict[str, Any]) -> None:
         self.history.append(metrics)
