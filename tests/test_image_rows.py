@@ -146,3 +146,27 @@ def test_sample_refuses_an_unreadable_image_in_one_line(tmp_path):
         _sources("QwenImageEditPipeline", [str(truncated)])
     (image,) = _sources("QwenImageEditPipeline", [str(good)])
     assert image.mode == "RGB"
+
+
+def test_the_pixel_limit_is_a_setting_and_names_the_row(tmp_path):
+    """A decompression bomb (a small file of a huge image) is refused from its header, naming the row and
+    data.max_image_pixels; raising the limit (or 0) takes it; PIL's own guard is left as it was."""
+    from PIL import Image
+
+    from sp_diffusers.flowgrpo.io.images import load_row_images
+
+    Image.new("L", (4000, 3000)).save(tmp_path / "big.png")  # 12 M pixels in a few kB
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "x", "image": "big.png"}) + "\n")
+    with pytest.raises(ConfigError, match=r"rows\.jsonl:1: image 'big.png' .* is 4000 x 3000 = 12000000 pixels, more "
+                       r"than data.max_image_pixels=1000000 .*fix: a smaller image, or raise data.max_image_pixels"):
+        read_prompts(tmp_path / "rows.jsonl", max_pixels=1_000_000)
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = 1_000  # PIL's guard alone would refuse it: the setting decides
+    try:
+        for limit in (12_000_000, 0):
+            (row,) = read_prompts(tmp_path / "rows.jsonl", max_pixels=limit)
+            (image,) = load_row_images(row.images, "rows.jsonl:1")
+            assert image.size == (4000, 3000)
+    finally:
+        assert Image.MAX_IMAGE_PIXELS == 1_000
+        Image.MAX_IMAGE_PIXELS = saved

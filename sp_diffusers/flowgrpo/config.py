@@ -289,6 +289,8 @@ class DataConfig:
     # shuffled per epoch from train.seed; "": the `prompts` list, drawn at random
     train: str = ""
     eval: str = ""  # held-out prompts (same formats) that train.eval_every evaluates
+    # the most pixels a row's image may have (width x height; a guard against decompression bombs); 0: no limit
+    max_image_pixels: int = 178_956_970
 
 
 @dataclass
@@ -463,6 +465,12 @@ def validate(config: TrainConfig) -> None:
     from ..engine.compiling import COMPILE_MODES
 
     require(t.compile in COMPILE_MODES, "train.compile", t.compile, f"one of {', '.join(COMPILE_MODES)}")
+    require(
+        config.data.max_image_pixels >= 0,
+        "data.max_image_pixels",
+        config.data.max_image_pixels,
+        "pixels >= 0 (0: no limit)",
+    )
     text = config.text
     require(text.cache_mb >= 0, "text.cache_mb", text.cache_mb, "MiB >= 0 (0: every batch encodes its prompts)")
     require(text.offload in TEXT_OFFLOAD, "text.offload", text.offload, f"one of {', '.join(TEXT_OFFLOAD)}")

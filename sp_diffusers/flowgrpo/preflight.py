@@ -34,5 +34,5 @@ def check_config(config: TrainConfig) -> list[str]:
         lines.append(f"flowgrpo.scheduler={g.scheduler}: a {scheduler}")
     for key, path in (("data.train", config.data.train), ("data.eval", config.data.eval)):
         if path:
-            lines.append(f"{key}={path}: {len(read_prompts(path, key))} prompts")
+            lines.append(f"{key}={path}: {len(read_prompts(path, key, config.data.max_image_pixels))} prompts")
     return lines

@@ -103,8 +103,9 @@ class FlowGRPOTrainer:
         # the model folder (JSON only: model.kind against its class, the components this run loads) and the prompt
         # files first, in train --check's order: a mistake in either fails before any model is built
         resolve_pipeline(c)
-        train_rows = read_prompts(c.data.train, "data.train") if c.data.train else []
-        eval_rows = read_prompts(c.data.eval, "data.eval") if c.data.eval else []
+        limit = c.data.max_image_pixels
+        train_rows = read_prompts(c.data.train, "data.train", limit) if c.data.train else []
+        eval_rows = read_prompts(c.data.eval, "data.eval", limit) if c.data.eval else []
         # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
         # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
-from .images import resolve_images
+from .images import MAX_IMAGE_PIXELS, resolve_images
 
 __all__ = ["PromptRow", "PromptStream", "read_prompts"]
 
@@ -32,9 +32,10 @@ class PromptRow:
     where: str = field(default="", compare=False)  # "file:line", for errors
 
 
-def read_prompts(path: str | Path, key: str = "data.train") -> list[PromptRow]:
+def read_prompts(path: str | Path, key: str = "data.train", max_pixels: int = MAX_IMAGE_PIXELS) -> list[PromptRow]:
     """The rows of a ``.txt`` or ``.jsonl`` prompt file (blank lines skipped); errors name ``key``, file and line,
-    and a row's images are checked here (every rank reads the file: every rank refuses it alike)."""
+    and a row's images are checked here, each at most ``max_pixels`` (``data.max_image_pixels``; every rank reads
+    the file: every rank refuses it alike)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{key}={str(path)!r}: no such file; fix: a .txt (one prompt a line) or .jsonl file")
@@ -55,7 +56,7 @@ def read_prompts(path: str | Path, key: str = "data.train") -> list[PromptRow]:
                     f'{key}: {p}:{n} has no "prompt" string; fix: each line {{"prompt": "...", other fields}}'
                 )
             where = f"{p}:{n}"
-            images = resolve_images(row, p.parent, where, key)
+            images = resolve_images(row, p.parent, where, key, max_pixels)
             rows.append(
                 PromptRow(row["prompt"], {k: v for k, v in row.items() if k != "prompt"}, images, where)
             )

@@ -9,6 +9,8 @@ turn out broken later is refused when its batch loads it, naming the row the sam
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,24 @@ import torch
 
 from ..config import ConfigError
 
-__all__ = ["IMAGE_FIELDS", "as_rgb", "load_row_images", "resolve_images", "source_pixels"]
+__all__ = ["IMAGE_FIELDS", "MAX_IMAGE_PIXELS", "as_rgb", "load_row_images", "resolve_images", "source_pixels"]
 
 IMAGE_FIELDS = ("image", "images")  # the row fields that name condition images
+MAX_IMAGE_PIXELS = 178_956_970  # PIL's own decompression-bomb error threshold; data.max_image_pixels sets ours
+
+
+@contextlib.contextmanager
+def _own_pixel_limit() -> Iterator[None]:
+    """PIL's global decompression-bomb guard off while this module opens a file: the header's size is checked
+    against ``data.max_image_pixels`` instead (PIL's would refuse a larger limit, and warn below it)."""
+    from PIL import Image
+
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 def _fix(key: str) -> str:
@@ -28,9 +45,11 @@ def _fix(key: str) -> str:
     )
 
 
-def resolve_images(row: dict[str, Any], base: Path, where: str, key: str) -> tuple[str, ...]:
-    """The absolute paths of ``row``'s ``image`` / ``images`` (``where``: ``file:line``), each checked to exist and
-    to open as an image; ``()`` for a row without them."""
+def resolve_images(
+    row: dict[str, Any], base: Path, where: str, key: str, max_pixels: int = MAX_IMAGE_PIXELS
+) -> tuple[str, ...]:
+    """The absolute paths of ``row``'s ``image`` / ``images`` (``where``: ``file:line``), each checked to exist, to
+    open as an image and to hold at most ``max_pixels`` pixels (0: any); ``()`` for a row without them."""
     from PIL import Image, UnidentifiedImageError
 
     if "image" in row and "images" in row:
@@ -53,12 +72,18 @@ def resolve_images(row: dict[str, Any], base: Path, where: str, key: str) -> tup
         if not path.is_file():
             raise ConfigError(f"{key}: {where}: image {name!r} ({path}) does not exist; {_fix(key)}")
         try:
-            with Image.open(path) as im:
-                _ = im.size  # the header parses
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+            with _own_pixel_limit(), Image.open(path) as im:
+                width, height = im.size  # the header parses
+        except (UnidentifiedImageError, OSError) as err:
             raise ConfigError(
                 f"{key}: {where}: image {name!r} ({path}) cannot be read ({type(err).__name__}: {err}); {_fix(key)}"
             ) from err
+        if max_pixels and width * height > max_pixels:
+            raise ConfigError(
+                f"{key}: {where}: image {name!r} ({path}) is {width} x {height} = {width * height} pixels, more than "
+                f"data.max_image_pixels={max_pixels} (a guard against decompression bombs: a small file that "
+                "decodes to gigabytes); fix: a smaller image, or raise data.max_image_pixels (0: no limit)"
+            )
         out.append(str(path))
     return tuple(out)
 
@@ -88,8 +113,8 @@ def load_row_images(paths: tuple[str, ...], where: str) -> list[Any]:
 
     images = []
     for path in paths:
-        try:
-            with Image.open(path) as im:
+        try:  # its size was checked when its row was read (resolve_images)
+            with _own_pixel_limit(), Image.open(path) as im:
                 images.append(as_rgb(im))
         except Exception as err:
             raise ConfigError(
