@@ -160,6 +160,14 @@ class GuardConfig:
 
 
 @dataclass
+class DPPOConfig:
+    """``flowgrpo.dppo``: Flow-DPPO's keys (algorithms/flow_dppo.py), verl-omni's defaults."""
+
+    kl_mask_threshold: float = 1e-5  # the trust region: a step's divergence from the old policy past this is masked
+    kl_coefficient: bool = True  # the divergence divides by the step's variance (false: by 2 alone)
+
+
+@dataclass
 class MixConfig:
     """``flowgrpo.mix``: MixGRPO's keys (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window
     of ``window_size`` SDE steps whose start moves with training (``strategy``), Euler ODE before it, Euler or
@@ -252,6 +260,7 @@ class FlowGRPOConfig:
     nft: NFTConfig = field(default_factory=NFTConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     mix: MixConfig = field(default_factory=MixConfig)
+    dppo: DPPOConfig = field(default_factory=DPPOConfig)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FLAT_KEYS:  # an old flat key: the new one, with a warning (for one release)

@@ -40,7 +40,12 @@ def _fixed_data(trainer) -> dict:
     }
 
 
-def _guard_batch(trainer, data: dict):
+def _guard_old(step, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The old log-prob that puts GRPO-Guard's normalised ratio at 1 + target (before the mean-drift bias)."""
+    return step.log_prob - target / scale
+
+
+def _guard_batch(trainer, data: dict, old_of=_guard_old):
     """The batch, a per-sample-window trajectory sampled from the current policy (each next latent its step's mean
     plus the step's noise, so log-probs are O(1) as a rollout's: off-policy random latents make them O(100) and their
     fp32 rounding would dominate the comparison), and the old policy's log-probs and means set from the current
@@ -78,7 +83,7 @@ def _guard_batch(trainer, data: dict):
             )
         for k in range(W):
             step, scale = evaluate(k)
-            old.append(step.log_prob - data["target"][:, k] / scale)
+            old.append(old_of(step, data["target"][:, k], scale))
             means.append(step.prev_sample_mean + data["drift"][:, k])
     traj.old_means = torch.stack(means, dim=1)
     return batch, traj, data["advantages"], torch.stack(old, dim=1)

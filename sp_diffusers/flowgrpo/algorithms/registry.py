@@ -8,6 +8,7 @@ from ..config import ConfigError, TrainConfig
 from .base import Algorithm
 from .dance_grpo import DanceGRPO
 from .diffusion_nft import DiffusionNFT
+from .flow_dppo import FlowDPPO
 from .flow_grpo import FlowGRPO
 from .grpo_guard import GRPOGuard
 from .mix_grpo import MixGRPO
@@ -15,7 +16,7 @@ from .mix_grpo import MixGRPO
 __all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT)
+    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT, FlowDPPO)
 }
 
 
