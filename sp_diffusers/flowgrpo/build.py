@@ -170,6 +170,11 @@ def check_run(
             f"model.image_size={c.model.image_size} gives {adapter.tokens} image tokens, fewer than the SP degree "
             f"{sp_size}; fix: a larger image_size, or a lower parallel.ulysses_sequence_parallel_size"
         )
+    if g.kl_reward > 0 and not c.lora.enabled:
+        raise ValueError(
+            "flowgrpo.kl_reward > 0 needs a reference policy; fix: enable lora (the reference is the base model with "
+            "adapters disabled) or set flowgrpo.kl_reward=0"
+        )
     if g.kl_coef > 0 and not c.lora.enabled:
         raise ValueError(
             "flowgrpo.kl_coef > 0 needs a reference policy; fix: enable lora (the reference is the base "

@@ -237,6 +237,9 @@ class FlowGRPOConfig:
     clip_range: float = 1e-3
     adv_clip_max: float = 5.0
     kl_coef: float = 0.0
+    # flow_grpo's sample.kl_reward: each trained step's KL to the reference folded into its reward, R_t = R -
+    # kl_reward * KL_t, and advantages per step (flow_grpo, grpo_guard, flow_dppo; needs lora.enabled)
+    kl_reward: float = 0.0
     recompute_old_log_probs: bool = True
     # an exponential moving average of the trained weights (flow_grpo's train.ema), used for evaluation, sample
     # grids and export: decay min((1 + s) / (10 + s), ema_decay) at optimizer step s, every ema_interval steps

@@ -139,6 +139,8 @@ class FlowGRPOTrainer:
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
         if isinstance(self.engine, ExpertEngines):
+            if c.flowgrpo.kl_reward > 0:
+                raise ConfigError("flowgrpo.kl_reward does not run on a two-expert model yet; fix: flowgrpo.kl_reward=0")
             self.engine.bind_schedule(self.schedule.timesteps)
             check_expert_steps(self.engine, self.algorithm)
         self.rule = self.algorithm.step_rule()
@@ -263,19 +265,25 @@ class FlowGRPOTrainer:
         ``rollout.chunks > 1`` the configured rewards score each chunk in the background (``rewards/overlap.py``)."""
         wants = self.algorithm.inputs()
         recompute = self.config.flowgrpo.recompute_old_log_probs
+        kl_reward = self.config.flowgrpo.kl_reward > 0
+        means = wants.old_means or kl_reward  # the per-step KL reads the sampling policy's step means too
         background = self.config.rollout.chunks > 1 and self.scorer.override is None
+        kl = None
         with contextlib.ExitStack() as stack:
             scoring = stack.enter_context(BackgroundScoring(self.scorer)) if background else None
             with self.engine.eval_mode(), self.weight_holder() as hold:
-                traj = self.rollout(batch, hold, keep_means=wants.old_means and not recompute, scoring=scoring)
+                traj = self.rollout(batch, hold, keep_means=means and not recompute, scoring=scoring)
                 old_log_probs = traj.rollout_log_probs()
-                if wants.old_means and not recompute:
+                if means and not recompute:
                     traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
-                if recompute and wants.old_log_probs:
+                if recompute and (wants.old_log_probs or kl_reward):
                     with comm_phase("old_log_probs"):
-                        old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, wants.old_means)
+                        old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, means)
+                if kl_reward:
+                    with comm_phase("reference"):
+                        kl = self.reference_kl(batch, traj, hold)
             with self.engine.eval_mode(), comm_phase("reward"):
-                advantages, stats = self.advantages(batch, traj, scoring)
+                advantages, stats = self.advantages(batch, traj, scoring, kl)
             if scoring is not None:
                 stats.update(reward_seconds=scoring.busy_seconds, reward_wait_seconds=scoring.wait_seconds)
         return traj, advantages, old_log_probs.detach(), stats
@@ -357,12 +365,39 @@ class FlowGRPOTrainer:
         assert log_probs is not None
         return log_probs, step_means
 
+    def reference_kl(self, batch: IterationBatch, traj: Trajectory, hold: WeightHolder) -> torch.Tensor:
+        """``[B, T]``: each trained step's KL between the sampling policy and the reference (adapters off) at the
+        stored latents, ``mean_elems((mu - mu_ref)^2) / (2 s^2)`` with ``s = std_dev_t sqrt(-dt)`` (flow_grpo's
+        ``kl_reward``), on the update's first micro-batches as the old log-probs are."""
+        g = self.config.flowgrpo
+        n, num_trained = traj.latents.shape[0], traj.steps().shape[1]
+        kl = torch.zeros(n, num_trained, device=traj.latents.device)
+        sigmas = self.schedule.on(traj.latents.device).sigmas
+        for mini in micro_batches(torch.arange(n), g.mini_batches, g.micro_batch_size, batch.shuffle_seed):
+            for micro in mini:
+                idx = to_device(micro, traj.latents.device)
+                cond = batch.cond_of(idx)
+                for k in range(num_trained):
+                    steps, latents, next_latents = traj.step_latents(idx, k)
+                    expert = route(self.engine, traj.host_step(k))
+                    sampler = Sampler(hold(expert), self.adapter, self.schedule, g.cfg_scale, self.config.rollout.cfg_batch)
+                    with expert.adapters_disabled():
+                        ref = evaluate_step(sampler, latents, next_latents, steps, cond, self.rule)
+                    s = ref.std_dev_t * torch.sqrt(sigmas[steps] - sigmas[steps + 1]).to(ref.std_dev_t.dtype)
+                    sq = (traj.old_step_means(idx, k).to(ref.prev_sample_mean.dtype) - ref.prev_sample_mean) ** 2
+                    kl[idx, k] = sq.mean(dim=tuple(range(1, sq.ndim))) / (2.0 * s**2)
+        return kl
+
     def advantages(
-        self, batch: IterationBatch, traj: Trajectory, scoring: BackgroundScoring | None = None
+        self,
+        batch: IterationBatch,
+        traj: Trajectory,
+        scoring: BackgroundScoring | None = None,
+        kl: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The rollout scored (or ``scoring``'s chunks gathered), the group-relative advantages ``[B]`` of this
-        rank's samples, the reward statistics; with the zero-advantage filter, ``batch.kept`` (seeded from the
-        batch: SP peers keep the same samples)."""
+        rank's samples (``[B, T]`` with the per-step ``kl``: flowgrpo.kl_reward), the reward statistics; with the
+        zero-advantage filter, ``batch.kept`` (seeded from the batch: SP peers keep the same samples)."""
         g, engine = self.config.flowgrpo, self.engine
         if scoring is not None:
             rewards, per_reward = scoring.result()
@@ -373,18 +408,26 @@ class FlowGRPOTrainer:
         all_groups = engine.gather_dp(to_device(batch.group_ids, device))
         table = engine.gather_dp(to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))  # [B, 1 + R]
         all_rewards = table[:, 0].contiguous()
-        advantages_all = self.algorithm.advantages(all_rewards, all_groups)
+        if kl is None:
+            advantages_all = self.algorithm.advantages(all_rewards, all_groups)
+            per_sample = advantages_all
+        else:  # one advantage per trained step; a sample is left out where every one of its steps' is 0
+            all_kl = engine.gather_dp(kl)
+            advantages_all = self.algorithm.step_advantages(all_rewards, all_kl, all_groups)
+            per_sample = advantages_all.abs().sum(dim=1)
         b = rewards.shape[0]
         advantages = advantages_all[engine.dp_rank * b : (engine.dp_rank + 1) * b]
         if self.algorithm.drops_zero_advantage():
             batch.kept = kept_samples(
-                advantages_all, engine.dp_rank, engine.dp_size, g.mini_batches, batch.shuffle_seed + 1
+                per_sample, engine.dp_rank, engine.dp_size, g.mini_batches, batch.shuffle_seed + 1
             )
         stats = {
             "reward_mean": all_rewards.mean(),
             "reward_std": all_rewards.std(correction=0),
-            "zero_advantage_fraction": (advantages_all == 0).double().mean(),
+            "zero_advantage_fraction": (per_sample == 0).double().mean(),
         }
+        if kl is not None:
+            stats["kl_to_reference"] = all_kl.mean()
         if len(per_reward) > 1 or (per_reward and g.rewards):
             stats.update({f"reward/{name}": table[:, 1 + j].mean() for j, name in enumerate(per_reward)})
         return advantages, fetch_scalars(stats)

@@ -107,7 +107,7 @@ def step_loss(
     step evaluated (:func:`evaluate_trained_step`), the targets the rollout fixed, ``algorithm.loss``."""
     wants = algorithm.inputs()
     targets = Targets(
-        advantages[idx],
+        advantages[idx, k] if advantages.ndim == 2 else advantages[idx],  # [B, T]: per-step (flowgrpo.kl_reward)
         old_log_probs[idx, k] if wants.old_log_probs else None,
         traj.old_step_means(idx, k) if wants.old_means else None,
     )

@@ -106,6 +106,7 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     section: ClassVar[str | None] = None  # its own keys: flowgrpo.<section>.* (read by no other algorithm)
+    takes_kl_reward: ClassVar[bool] = False  # flowgrpo.kl_reward: per-step advantages of a stored SDE step's KL
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
     default_timestep_fraction: ClassVar[float] = 0.99  # flowgrpo.timestep_fraction: 0 -> this (the reference's)
@@ -167,6 +168,13 @@ class Algorithm:
         """``[N]`` advantages of every data-parallel rank's rewards (flow_grpo: the batch's population std +
         1e-4, clamped)."""
         return group_advantages(rewards, groups, std="batch", eps=1e-4, clip=self.g.adv_clip_max, correction=0)
+
+    def step_advantages(self, rewards: torch.Tensor, kl: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """``[N, T]`` advantages with each trained step's KL to the reference folded into its reward (flow_grpo's
+        ``kl_reward``): ``R_t = R - kl_reward * KL_t``, each step's column through :meth:`advantages` (flow_grpo's
+        stat tracker normalises every column on its own)."""
+        per_step = rewards[:, None] - self.g.kl_reward * kl
+        return torch.stack([self.advantages(per_step[:, t].contiguous(), groups) for t in range(kl.shape[1])], dim=1)
 
     def drops_zero_advantage(self) -> bool:
         """Whether samples of advantage 0 are left out of the update (``flowgrpo.drop_zero_advantage``: with a

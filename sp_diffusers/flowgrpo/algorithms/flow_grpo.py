@@ -32,6 +32,7 @@ SDE_STEPS = ("auto", "window", "all")
 
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
+    takes_kl_reward = True
     default_sde_steps: ClassVar[str] = "window"  # flowgrpo.sde_steps: auto -> this
 
     @classmethod

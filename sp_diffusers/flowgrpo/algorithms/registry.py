@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..config import ConfigError, TrainConfig
 from .base import Algorithm
@@ -44,6 +45,20 @@ def check_algorithm_keys(config: TrainConfig) -> None:
                 f"{keys}: read by {cls.name} only, and flowgrpo.algorithm={chosen.name} does nothing with it; fix: "
                 f"drop it, or flowgrpo.algorithm={cls.name}"
             )
+    g = config.flowgrpo
+    if not (math.isfinite(g.kl_reward) and g.kl_reward >= 0):
+        raise ConfigError(f"flowgrpo.kl_reward={g.kl_reward!r} must be a finite number >= 0 (0: off)")
+    if g.kl_reward > 0 and not chosen.takes_kl_reward:
+        takers = ", ".join(n for n, c in ALGORITHMS.items() if c.takes_kl_reward)
+        raise ConfigError(
+            f"flowgrpo.kl_reward={g.kl_reward}: folds a stored SDE step's KL into its reward, which "
+            f"flowgrpo.algorithm={chosen.name} does not train on; fix: drop it, or one of {takers}"
+        )
+    if g.kl_reward > 0 and g.per_sample_windows:
+        raise ConfigError(
+            "flowgrpo.kl_reward with per_sample_windows: the per-step advantages normalise each trained step's column "
+            "over a prompt group, and per-sample windows put different timesteps in one column; fix: one of them"
+        )
     chosen.check(config)
 
 
