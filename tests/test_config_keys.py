@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
+
+import pytest
 
 from sp_diffusers.flowgrpo.config import TrainConfig
 
@@ -58,3 +61,32 @@ def test_an_old_flat_key_loads_into_its_section_with_a_warning(tmp_path):
     # every old key names a key its section has
     for old, (section, key) in FLAT_KEYS.items():
         assert hasattr(getattr(TrainConfig().flowgrpo, section), key), old
+
+
+@pytest.mark.parametrize(
+    "keys, unread",
+    [
+        ({"algorithm": "dance_grpo", "window_range": [1, 2]}, "flowgrpo.window_range=[1, 2]"),
+        ({"algorithm": "mix_grpo", "shift": 3.0, "timestep_fraction": 0.5}, "flowgrpo.timestep_fraction=0.5"),
+        ({"algorithm": "diffusion_nft", "clip_range": 0.2}, "flowgrpo.clip_range=0.2"),
+        ({"algorithm": "flow_grpo", "timestep_fraction": 0.5}, "flowgrpo.timestep_fraction=0.5"),  # window mode
+        ({"algorithm": "grpo_guard", "window_size": 3}, "flowgrpo.window_size=3"),  # all mode: no window
+    ],
+)
+def test_a_shared_key_the_algorithm_does_not_read_is_warned_with_its_name(keys, unread):
+    """Shared keys are warned, not refused: a config written for one algorithm, switched to another, carries them."""
+    from sp_diffusers.flowgrpo.algorithms.registry import UnreadKeyWarning
+    from sp_diffusers.flowgrpo.build import check_algorithm
+    from sp_diffusers.flowgrpo.config import TrainConfig
+
+    c = TrainConfig()
+    for k, v in keys.items():
+        setattr(c.flowgrpo, k, v)
+    with pytest.warns(UnreadKeyWarning, match=rf"{re.escape(unread)}: flowgrpo.algorithm={keys['algorithm']} .* does "
+                      r"not read it, so it changes nothing in this run; fix: drop it"):
+        check_algorithm(c)
+    read = TrainConfig()
+    read.flowgrpo.window_range = [1, 2]  # flow_grpo reads its window: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnreadKeyWarning)
+        check_algorithm(read)

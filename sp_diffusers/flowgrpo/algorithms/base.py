@@ -107,6 +107,14 @@ class Algorithm:
     name: ClassVar[str] = ""
     section: ClassVar[str | None] = None  # its own keys: flowgrpo.<section>.* (read by no other algorithm)
     takes_kl_reward: ClassVar[bool] = False  # flowgrpo.kl_reward: per-step advantages of a stored SDE step's KL
+    # the shared flowgrpo keys this algorithm does not read: set away from their defaults, they are refused
+    ignores: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def ignored(cls, config: TrainConfig) -> tuple[str, ...]:
+        """The shared ``flowgrpo`` keys this run's algorithm does not read (``ignores``, and what its settings
+        leave unread)."""
+        return cls.ignores
     schedule_kind: ClassVar[str] = "pipeline"  # flowgrpo.schedule: auto -> the family's pipeline schedule
     final_is_prediction: ClassVar[bool] = False
     default_timestep_fraction: ClassVar[float] = 0.99  # flowgrpo.timestep_fraction: 0 -> this (the reference's)

@@ -24,6 +24,7 @@ DANCE_KL = ("verl_omni", "flow_grpo")
 class DanceGRPO(Algorithm):
     name = "dance_grpo"
     section = "dance"
+    ignores = ("window_size", "window_range", "per_sample_windows", "sde_steps")  # every step is SDE
     schedule_kind = "linspace"
     final_is_prediction = True
     default_timestep_fraction = 0.6  # DanceGRPO's scripts

@@ -132,6 +132,8 @@ def _step_seed(seed: int, k: int) -> int:
 class DiffusionNFT(Algorithm):
     name = "diffusion_nft"
     section = "nft"
+    # a deterministic rollout, trained on the forward process (nft.timestep_fraction), no ratio to clip
+    ignores = ("window_size", "window_range", "per_sample_windows", "sde_steps", "timestep_fraction", "clip_range")
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)

@@ -42,6 +42,13 @@ class FlowGRPO(Algorithm):
         return cls.default_sde_steps if mode == "auto" else mode
 
     @classmethod
+    def ignored(cls, config: TrainConfig) -> tuple[str, ...]:
+        """``window``: every window step trains (no ``timestep_fraction``); ``all``: no window."""
+        if cls.sde_steps(config) == "all":
+            return (*cls.ignores, "window_size", "window_range")
+        return (*cls.ignores, "timestep_fraction")
+
+    @classmethod
     def trained_count(cls, config: TrainConfig) -> int:
         """``all``: how many of the first steps train, ``int(N * timestep_fraction)`` (flow_grpo's rounding)."""
         return int(config.flowgrpo.num_steps * cls.timestep_fraction(config))

@@ -88,6 +88,8 @@ class MixWindows:
 class MixGRPO(Algorithm):
     name = "mix_grpo"
     section = "mix"
+    # its window is flowgrpo.mix.window_size, moved by mix.strategy
+    ignores = ("window_size", "window_range", "per_sample_windows", "sde_steps", "timestep_fraction")
     schedule_kind = "linspace"  # the reference samples on shift(linspace(1, 0, N + 1)), timesteps int(1000 sigma)
 
     def __init__(self, config: TrainConfig) -> None:

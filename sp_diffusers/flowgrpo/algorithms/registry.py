@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 from ..config import ConfigError, TrainConfig
 from .base import Algorithm
@@ -14,7 +15,12 @@ from .flow_grpo import FlowGRPO
 from .grpo_guard import GRPOGuard
 from .mix_grpo import MixGRPO
 
-__all__ = ["ALGORITHMS", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
+__all__ = ["ALGORITHMS", "UnreadKeyWarning", "algorithm_class", "algorithm_for", "check_algorithm_keys"]
+
+
+class UnreadKeyWarning(UserWarning):
+    """A shared ``flowgrpo`` key the run's algorithm does not read, set away from its default."""
+
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT, FlowDPPO)
@@ -45,7 +51,18 @@ def check_algorithm_keys(config: TrainConfig) -> None:
                 f"{keys}: read by {cls.name} only, and flowgrpo.algorithm={chosen.name} does nothing with it; fix: "
                 f"drop it, or flowgrpo.algorithm={cls.name}"
             )
-    g = config.flowgrpo
+    g, fresh = config.flowgrpo, type(config.flowgrpo)()
+    # the shared keys are warned, not refused: a config written for one algorithm and switched to another
+    # (--set flowgrpo.algorithm=...) carries them, and such configs are shared; the sections above are refused
+    unread = [k for k in chosen.ignored(config) if getattr(g, k) != getattr(fresh, k)]
+    if unread:
+        keys = ", ".join(f"flowgrpo.{k}={getattr(g, k)!r}" for k in unread)
+        warnings.warn(
+            f"{keys}: flowgrpo.algorithm={chosen.name} (flowgrpo.sde_steps={g.sde_steps}) does not read it, so it "
+            "changes nothing in this run; fix: drop it (docs/training.md says which keys each algorithm reads)",
+            UnreadKeyWarning,
+            stacklevel=2,
+        )
     if not (math.isfinite(g.kl_reward) and g.kl_reward >= 0):
         raise ConfigError(f"flowgrpo.kl_reward={g.kl_reward!r} must be a finite number >= 0 (0: off)")
     if g.kl_reward > 0 and not chosen.takes_kl_reward:
