@@ -105,6 +105,7 @@ def test_every_builtin_model_builds_from_its_config():
         "wan2.1-t2v-14b": {"blocks": 40},
         "wan2.2-t2v-a14b": {"blocks": 40},
         "qwen-image": {"transformer_blocks": 60},
+        "qwen-image-2512": {"transformer_blocks": 60},
         "flux.1-dev": {"transformer_blocks": 19, "single_transformer_blocks": 38},
         "hunyuanvideo": {"transformer_blocks": 20, "single_transformer_blocks": 40},
         "hunyuanvideo-1.5": {"transformer_blocks": 54},

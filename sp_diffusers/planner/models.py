@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..families.kinds import KINDS
-from .released_configs import FLUX_DEV, QWEN_IMAGE, WAN_14B
+from .released_configs import FLUX_DEV, QWEN_IMAGE, QWEN_IMAGE_2512, WAN_14B
 
 __all__ = ["BUILTIN", "Family", "ModelSpec", "PlanError", "resolve_model"]
 
@@ -120,6 +120,14 @@ BUILTIN: dict[str, ModelSpec] = {
         dict(QWEN_IMAGE),
         FAMILIES["qwenimage"],
         source="Qwen/Qwen-Image",
+        default_size=(1328, 1328, 1),
+    ),
+    "qwen-image-2512": ModelSpec(
+        "qwen-image-2512",
+        "qwenimage",
+        dict(QWEN_IMAGE_2512),
+        FAMILIES["qwenimage"],
+        source="Qwen/Qwen-Image-2512",
         default_size=(1328, 1328, 1),
     ),
     "flux.1-dev": ModelSpec(

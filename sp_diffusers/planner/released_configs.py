@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLUX_DEV", "QWEN_IMAGE", "WAN_14B"]
+__all__ = ["FLUX_DEV", "QWEN_IMAGE", "QWEN_IMAGE_2512", "WAN_14B"]
 
 WAN_14B: dict[str, Any] = {  # Wan-AI/Wan2.1-T2V-14B-Diffusers
     "patch_size": (1, 2, 2),
@@ -24,6 +24,19 @@ WAN_14B: dict[str, Any] = {  # Wan-AI/Wan2.1-T2V-14B-Diffusers
 }
 
 QWEN_IMAGE: dict[str, Any] = {  # Qwen/Qwen-Image
+    "patch_size": 2,
+    "in_channels": 64,
+    "out_channels": 16,
+    "num_layers": 60,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 3584,
+    "guidance_embeds": False,
+    "axes_dims_rope": (16, 56, 56),
+}
+# Qwen/Qwen-Image-2512: a new release of Qwen-Image's weights on the same architecture (its config as published,
+# written out: tests/test_qwen_image_2512.py holds that the Qwen-Image adapter and plan take it)
+QWEN_IMAGE_2512: dict[str, Any] = {
     "patch_size": 2,
     "in_channels": 64,
     "out_channels": 16,
