@@ -81,3 +81,39 @@ def test_a_prepared_encoder_pads_every_prompt_to_the_run_s_length():
     # encoded beside longer prompts (another GEMM shape): equal to a few fp32 ulps of these O(1) values
     torch.testing.assert_close(cond["prompt_embeds"][0][: unpadded.shape[0]], unpadded, atol=1e-5, rtol=1e-5)
     assert not cond["prompt_embeds"][0][unpadded.shape[0] :].any()
+
+
+def test_an_image_conditioned_row_is_encoded_once_and_read_back_in_order():
+    """ConditionCache: each row (prompt and images) through the encoders once; a batch of kept and new rows comes
+    back in its own order, every per-row entry (tensors and lists) intact; the limit evicts oldest first."""
+    from sp_diffusers.flowgrpo.io.data import PromptRow
+    from sp_diffusers.flowgrpo.models.prompt_cache import ConditionCache
+
+    calls: list[list[str]] = []
+
+    def encode_rows(rows):
+        calls.append([r.prompt for r in rows])
+        n = len(rows)
+        code = torch.tensor([float(len(r.prompt) + len(r.images[0])) for r in rows])
+        return {
+            "prompt_embeds": [torch.full((len(r.prompt), 2), float(len(r.prompt))) for r in rows],
+            "condition_latents": code.view(n, 1, 1).expand(n, 3, 4).contiguous(),
+            "source_pixels": code.to(torch.uint8).view(n, 1).expand(n, 5).contiguous(),
+        }
+
+    a, b, c = PromptRow("a cat", images=("x.png",)), PromptRow("a dog", images=("y.png",)), PromptRow("a cat", images=("z.png",))
+    cache = ConditionCache(limit_mb=1.0)
+    first = cache.encode([a, b, a], encode_rows)
+    second = cache.encode([c, b, a], encode_rows)  # c: the same prompt with another image is another row
+    assert calls == [["a cat", "a dog"], ["a cat"]] and cache.encoded == 3
+    uncached = ConditionCache(limit_mb=0.0).encode([c, b, a], encode_rows)
+    for key, value in uncached.items():
+        if torch.is_tensor(value):
+            assert torch.equal(second[key], value), key
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(second[key], value, strict=True)), key
+    assert torch.equal(first["condition_latents"][0], first["condition_latents"][2])  # one row, twice
+    tiny = ConditionCache(limit_mb=1e-4)  # ~100 bytes: one row at a time
+    calls.clear()
+    tiny.encode([a], encode_rows), tiny.encode([b], encode_rows), tiny.encode([a], encode_rows)
+    assert calls == [["a cat"], ["a dog"], ["a cat"]]  # a was pushed out by b

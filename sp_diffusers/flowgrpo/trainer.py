@@ -194,8 +194,9 @@ class FlowGRPOTrainer:
             return
         if self.conditioner is not None and c.text.offload != "never":
             raise ConfigError(
-                f"text.offload={c.text.offload} keeps text encodings, but an image-conditioned pipeline encodes each "
-                "prompt with its images every batch; fix: text.offload=never"
+                f"text.offload={c.text.offload} moves the text encoders off the device once the prompt set is encoded, "
+                "but an image-conditioned pipeline encodes each row (a prompt with its images) when a batch first "
+                "draws it; fix: text.offload=never (each row is still encoded once: text.cache_mb)"
             )
         sp = self.engine.sp_size
         bucket = (lambda n: length_bucket(n, sp)) if c.train.compile != "off" else (lambda n: 0)
@@ -206,7 +207,7 @@ class FlowGRPOTrainer:
     # ---------------------------------------------------------------------------------------- one iteration
 
     def train_iteration(self, iteration: int) -> dict[str, Any]:
-        start, encoding = time.perf_counter(), self.prompt_encoder.cache.seconds
+        start, encoding = time.perf_counter(), self.prompt_encoder.seconds
         batch = self.iteration_batch(iteration).prepared(self.engine)
         traj, advantages, old_log_probs, stats = self.collect(batch)
         metrics = self.update(batch, traj, advantages, old_log_probs)
@@ -217,7 +218,7 @@ class FlowGRPOTrainer:
             metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1
         metrics["seconds"] = time.perf_counter() - start
-        metrics["text_encode_seconds"] = self.prompt_encoder.cache.seconds - encoding
+        metrics["text_encode_seconds"] = self.prompt_encoder.seconds - encoding
         return metrics
 
     def iteration_batch(self, iteration: int) -> IterationBatch:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..io.data import PromptRow
 from ..io.images import load_row_images, source_pixels
-from .prompt_cache import PromptCache
+from .prompt_cache import ConditionCache, PromptCache
 
 __all__ = [
     "ConditionEncoder",
@@ -109,14 +109,15 @@ class PromptEncoder:
     """Prompt rows -> what the transformer is conditioned on (``IterationBatch.cond``: each prompt's text, the empty
     prompt's for classifier-free guidance when ``negative``, an image-conditioned family's ``condition_*``) and that
     family's source pixels (None for a text-only family); each row's condition is encoded once and shared by the
-    ``repeat`` samples of its group. A text-only family's prompts go through the text encoder once per run
-    (``prompt_cache.py``, ``cache_mb``)."""
+    ``repeat`` samples of its group. Each prompt (a text-only family) or each row with its images (an
+    image-conditioned one) goes through the encoders once per run (``prompt_cache.py``, ``cache_mb``)."""
 
     def __init__(
         self, text_encoder: Any, conditioner: ConditionEncoder | None, negative: bool, cache_mb: float = 0.0
     ) -> None:
         self.text, self.conditioner, self.negative = text_encoder, conditioner, negative
         self.cache = PromptCache(text_encoder, cache_mb)
+        self.conditions = ConditionCache(cache_mb)  # an image-conditioned family's rows, each encoded once
         self.text_length = 0  # every prompt's text padded to this many tokens (masked), once prepare() knows it
 
     def prepare(self, prompts: list[str], length_of: Callable[[int], int]) -> None:
@@ -134,8 +135,15 @@ class PromptEncoder:
             if self.negative:
                 cond.update(self._padded(self.cache.encode_batch([""] * len(prompts), prefix="negative_")))
             return cond, None
-        cond = self.conditioner.encode(rows, repeat, negative=self.negative)
+        conditioner = self.conditioner
+        cond = self.conditions.encode(rows, lambda missing: conditioner.encode(missing, 1, negative=self.negative))
+        cond = {k: _repeat(v, repeat) for k, v in cond.items()}
         return cond, cond.pop("source_pixels")
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in the encoders so far (text, and an image-conditioned family's VAE and image encoder)."""
+        return self.cache.seconds + self.conditions.seconds
 
     def _padded(self, cond: dict[str, Any]) -> dict[str, Any]:
         if not self.text_length:

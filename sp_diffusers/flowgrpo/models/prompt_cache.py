@@ -1,5 +1,7 @@
 """Prompt encodings kept by prompt: each unique prompt (and classifier-free guidance's empty prompt) goes
-through the text encoders once per run, however many samples, iterations and epochs use it.
+through the text encoders once per run, however many samples, iterations and epochs use it; an image-conditioned
+family's rows (a prompt with its images) go through the text encoder, the VAE and the image encoder once per run
+too (:class:`ConditionCache`).
 
 A run's encoder and its settings (model, ``text.max_sequence_length``, dtype) are fixed, so an entry is keyed
 by its prompt; entries are kept least-recently-used first out under ``text.cache_mb``. With the whole prompt
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PromptCache"]
+__all__ = ["ConditionCache", "PromptCache"]
 
 @dataclass(frozen=True)
 class _Entry:
@@ -101,3 +103,57 @@ class PromptCache:
             _, old = self._entries.popitem(last=False)
             self._bytes -= old.nbytes
         return fresh
+
+
+def _nbytes(value: Any) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    return sum(_nbytes(v) for v in value)
+
+
+class ConditionCache:
+    """``encode(rows, encode_rows)``: an image-conditioned batch's entries (text, ``condition_*``, source pixels),
+    each row encoded once per run by ``encode_rows(missing rows)`` and kept by its prompt and images, least recently
+    used first out under ``limit_mb`` (<= 0: every call encodes). Every entry of the batch dict is per row: a
+    ``[R, ...]`` tensor or a list of R items. ``seconds``: time in ``encode_rows``; ``encoded``: rows encoded."""
+
+    def __init__(self, limit_mb: float) -> None:
+        self.limit = int(limit_mb * 2**20)
+        self._entries: OrderedDict[tuple, dict[str, Any]] = OrderedDict()
+        self._bytes = 0
+        self.seconds, self.encoded = 0.0, 0
+
+    @staticmethod
+    def key(row: Any) -> tuple:
+        return (row.prompt, tuple(row.images))
+
+    def encode(self, rows: list[Any], encode_rows: Any) -> dict[str, Any]:
+        if self.limit <= 0:
+            return self._encode(rows, encode_rows)
+        keys = [self.key(r) for r in rows]
+        found = {k: self._entries[k] for k in dict.fromkeys(keys) if k in self._entries}
+        for k in found:
+            self._entries.move_to_end(k)
+        missing = {k: r for k, r in zip(keys, rows, strict=True) if k not in found}
+        if missing:
+            batch = self._encode(list(missing.values()), encode_rows)
+            for i, k in enumerate(missing):
+                # each row its own storage (a view would keep the whole batch alive)
+                entry = {n: v[i : i + 1].clone() if torch.is_tensor(v) else [v[i]] for n, v in batch.items()}
+                found[k] = self._entries[k] = entry
+                self._bytes += _nbytes(list(entry.values()))
+            while self._bytes > self.limit and self._entries:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= _nbytes(list(old.values()))
+        entries = [found[k] for k in keys]
+        return {
+            n: torch.cat([e[n] for e in entries]) if torch.is_tensor(v) else [x for e in entries for x in e[n]]
+            for n, v in entries[0].items()
+        }
+
+    def _encode(self, rows: list[Any], encode_rows: Any) -> dict[str, Any]:
+        start = time.perf_counter()
+        out = encode_rows(rows)
+        self.seconds += time.perf_counter() - start
+        self.encoded += len(rows)
+        return out
