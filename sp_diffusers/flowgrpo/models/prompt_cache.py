@@ -105,6 +105,10 @@ class PromptCache:
         return fresh
 
 
+def _host(value: Any) -> Any:
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+
+
 def _nbytes(value: Any) -> int:
     if torch.is_tensor(value):
         return value.numel() * value.element_size()
@@ -138,8 +142,12 @@ class ConditionCache:
         if missing:
             batch = self._encode(list(missing.values()), encode_rows)
             for i, k in enumerate(missing):
-                # each row its own storage (a view would keep the whole batch alive)
-                entry = {n: v[i : i + 1].clone() if torch.is_tensor(v) else [v[i]] for n, v in batch.items()}
+                # each row its own storage on the host (a view would keep the whole batch alive; the batch moves to
+                # the device when it is prepared, as the text cache's entries do)
+                entry = {
+                    n: v[i : i + 1].detach().to("cpu", copy=True) if torch.is_tensor(v) else [_host(v[i])]
+                    for n, v in batch.items()
+                }
                 found[k] = self._entries[k] = entry
                 self._bytes += _nbytes(list(entry.values()))
             while self._bytes > self.limit and self._entries:
