@@ -3,6 +3,7 @@ with ``--reward-seconds``, before and after its rewards are scored beside the ro
 
     python benchmarks/rl_iteration.py [--workload image video] [--steps 16] [--cfg 4] [--repeats 3] [--json out.json]
     python benchmarks/rl_iteration.py --reward-seconds 0.25 [--chunks 1 2 4] ...
+    python benchmarks/rl_iteration.py --compile ...
 
 Two workloads at SP = 2 on 2 ranks (FSDP2 over both), each a trainer built twice on the same config, differing
 only in ``rollout.*``:
@@ -23,6 +24,9 @@ own process) whose function takes S seconds per sample and returns the latents' 
 its own, whose time the trainer's processes spend waiting (this host's two cores are the two ranks'; a reward
 computed on them would share them). The variants differ only in ``rollout.chunks`` (``--chunks``); 1 is the
 iteration scored after the rollout.
+
+``--compile``: the "after" iteration eager against ``train.compile: blocks`` (CPU inductor), timed after two
+iterations (the first forward of each shape runs eagerly, then the graphs compile).
 """
 
 from __future__ import annotations
@@ -40,13 +44,13 @@ from benchmarks._harness import add_device_arguments, interleaved_times, spawn, 
 NARROW_WAN = dict(
     num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, freq_dim=32, rope_max_seq_len=64
 )
-VARIANTS = {
-    "before": {"gather_params": "never", "cfg_batch": False},
-    "after": {"gather_params": "auto", "cfg_batch": True},
+VARIANTS = {  # dotted config keys, each variant's
+    "before": {"rollout.gather_params": "never", "rollout.cfg_batch": False},
+    "after": {"rollout.gather_params": "auto", "rollout.cfg_batch": True},
 }
 
 
-def _config(workload: str, steps: int, cfg: float, rollout: dict, group_size: int = 0):
+def _config(workload: str, steps: int, cfg: float, settings: dict, group_size: int = 0):
     from sp_diffusers.flowgrpo.config import TrainConfig
 
     c = TrainConfig()
@@ -64,8 +68,9 @@ def _config(workload: str, steps: int, cfg: float, rollout: dict, group_size: in
     c.optim.lr = 0.0  # the same iteration at every repetition
     if group_size:
         c.flowgrpo.group_size = group_size
-    for key, value in rollout.items():
-        setattr(c.rollout, key, value)
+    for key, value in settings.items():
+        section, name = key.split(".")
+        setattr(getattr(c, section), name, value)
     c.train.out_dir, c.train.progress, c.train.plot = tempfile.mkdtemp(), False, False
     return c
 
@@ -101,11 +106,9 @@ def _rank(
     dlogging.set_verbosity(logging.ERROR)
     warnings.filterwarnings("ignore")
     trainers = {}
-    for name, rollout in (variants or VARIANTS).items():
+    for name, settings in (variants or VARIANTS).items():
         torch.manual_seed(0)
-        c = _config(workload, steps, cfg, {k: v for k, v in rollout.items() if k != "rewards"}, group_size)
-        c.flowgrpo.rewards = rollout.get("rewards", [])
-        trainers[name] = FlowGRPOTrainer(c)
+        trainers[name] = FlowGRPOTrainer(_config(workload, steps, cfg, settings, group_size))
     ledgers, rewards, waits = {}, {}, {}
     for name, trainer in trainers.items():
         ledger = CommLedger()
@@ -114,8 +117,11 @@ def _rank(
         rewards[name] = metrics["reward_mean"]
         waits[name] = metrics.get("reward_wait_seconds")
         ledgers[name] = {f"{p}/{k}": list(v) for (p, k), v in ledger.take().items()}
-    times = interleaved_times(
-        {name: (lambda t=trainer: t.train_iteration(0)) for name, trainer in trainers.items()}, repeats, warmup=0
+    compiled = any(t.config.train.compile != "off" for t in trainers.values())
+    times = interleaved_times(  # a compiled model's second iteration may still compile (the first runs eagerly)
+        {name: (lambda t=trainer: t.train_iteration(0)) for name, trainer in trainers.items()},
+        repeats,
+        warmup=1 if compiled else 0,
     )
     return {"seconds": times, "ledger": ledgers, "reward_mean": rewards, "reward_wait_seconds": waits}
 
@@ -138,10 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reward-seconds", type=float, default=0.0, help="a reward server's seconds per sample")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], help="rollout.chunks variants")
     p.add_argument("--group-size", type=int, default=0, help="flowgrpo.group_size (0: the workload's)")
+    p.add_argument("--compile", action="store_true", help="train.compile off against blocks (CPU inductor)")
     add_device_arguments(p)
     args = p.parse_args(argv)
     if args.reward_seconds > 0:
         return _overlap(args)
+    if args.compile:
+        return _compiled(args)
     out = {}
     for workload in args.workload:
         r = spawn(_rank, 2, workload, args.steps, args.cfg, args.repeats, backend=args.backend, device=args.device)[0]
@@ -154,6 +163,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<7} {sec[name]:7.2f} s/iteration   rank 0 sends: {moved}")
         gathers = kinds["before"].get("param_gather", 0) / max(1, kinds["after"].get("param_gather", 0))
         print(f"  after / before: {1 / out[workload]['speedup']:.3f} of the time; parameter gathers / {gathers:.1f}")
+    write_json(args.json, {"args": vars(args), **out})
+    return 0
+
+
+def _compiled(args: argparse.Namespace) -> int:
+    """The iteration eager against compiled (``train.compile: blocks``), after the compiling iterations."""
+    out = {}
+    for workload in args.workload:
+        variants = {mode: {**VARIANTS["after"], "train.compile": mode} for mode in ("off", "blocks")}
+        r = spawn(
+            _rank, 2, workload, args.steps, args.cfg, args.repeats, variants, args.group_size,
+            backend=args.backend, device=args.device,
+        )[0]
+        sec = r["seconds"]
+        out[workload] = {**r, "ratio": sec["blocks"] / sec["off"]}
+        print(f"\n{workload}: FlowGRPO iteration at SP 2, {args.steps} steps, CFG {args.cfg:g} ({args.device})")
+        print(f"  eager     {sec['off']:7.2f} s/iteration")
+        print(f"  compiled  {sec['blocks']:7.2f} s/iteration   {sec['blocks'] / sec['off']:.3f} of eager's")
     write_json(args.json, {"args": vars(args), **out})
     return 0
 
@@ -189,7 +216,7 @@ def _overlap(args: argparse.Namespace) -> int:
             # each SP group's samples (prompts_per_rank x group_size)
             samples = (1 if workload == "video" else 2) * (args.group_size or (2 if workload == "video" else 4))
             variants = {
-                f"chunks {n}": {**VARIANTS["after"], "chunks": n, "rewards": [entry]}
+                f"chunks {n}": {**VARIANTS["after"], "rollout.chunks": n, "flowgrpo.rewards": [entry]}
                 for n in args.chunks
                 if n <= samples
             }
