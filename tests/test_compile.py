@@ -80,3 +80,21 @@ def test_a_compiled_run_compiles_twice_and_keeps_the_on_policy_ratio(tmp_path):
     assert {m["compile_graphs"] for m in history} == {2.0}, [m["compile_graphs"] for m in history]
     assert all(m["ratio_mean"] == 1.0 and m["ppo_kl"] == 0.0 for m in history), history
     assert all(m["text_encode_seconds"] == 0.0 for m in history)  # every prompt encoded before iteration 1
+
+
+REGIONAL = [("qwenimage", "even", 2, 1), ("flux", "even", 2, 1), ("qwenimage", "uneven", 2, 1)]
+
+
+def test_diffusers_regional_compile_runs_fullgraph_through_the_backend():
+    """``model.compile_repeated_blocks(fullgraph=True)`` after ``enable_parallelism``, as a diffusers user compiles
+    (no sp-diffusers wrapper): output and gradients equal eager SP within the parity tolerance, no host sync in a
+    graph, the exchange inside them. An uneven sequence needs one forward of its shapes before compiling (the
+    error says so otherwise); tests/workers/compile_checks.py runs it that way."""
+    results = run_distributed("tests.workers.compile_checks:regional_compile", 2, REGIONAL, timeout=900)[0]
+    for case, r in results.items():
+        assert "error" not in r, f"{case}: {r.get('error')}"
+        assert r["out"] <= 1.0 and r["grad"] <= 1.0, (case, r["out"], r["grad"])
+        for kind in ("forward", "backward"):
+            assert r["graphs"][kind], (case, kind)
+            for g in r["graphs"][kind]:
+                assert g["sync"] == 0 and g["collective"] > 0, (case, kind, g)
