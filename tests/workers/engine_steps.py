@@ -328,3 +328,16 @@ def features(rank: int, world: int) -> dict:
     out["bf16"] = [{k: history[i][k] for k in ("loss", "reward_mean", "grad_norm")} for i in range(2)]
     out["bf16_param_dtype"] = str(next(trainer.engine.model.parameters()).dtype)
     return out
+
+
+def kl_reward_collect(rank: int, world: int, sp: int) -> dict:
+    """flowgrpo.kl_reward's per-step KL and advantages of one fresh rollout (random LoRA: the policy is not the
+    reference), for comparison with one process."""
+    _quiet()
+    trainer = _trainer(
+        _config(sp, True, kl_reward=0.5, prompts_per_rank=2, group_size=2, micro_batch_size=4, recompute_old_log_probs=False)
+    )
+    batch = trainer.iteration_batch(0).prepared(trainer.engine)
+    traj, advantages, old, stats = trainer.collect(batch)
+    metrics = trainer.update(batch, traj, advantages, old)
+    return {"advantages": advantages.cpu(), "kl": stats["kl_to_reference"], "ratio_mean": metrics["ratio_mean"]}
