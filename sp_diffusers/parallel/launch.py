@@ -65,7 +65,10 @@ def record_peers() -> None:
 
 
 def _gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has ended (a zombie its launcher has not reaped yet counts)."""
+    """Whether process ``pid`` of this host has ended (a zombie its launcher has not reaped yet counts); False where
+    the system has no ``/proc`` to ask."""
+    if not os.path.isdir("/proc"):
+        return False
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
