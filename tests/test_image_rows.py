@@ -170,3 +170,24 @@ def test_the_pixel_limit_is_a_setting_and_names_the_row(tmp_path):
     finally:
         assert Image.MAX_IMAGE_PIXELS == 1_000
         Image.MAX_IMAGE_PIXELS = saved
+
+
+@pytest.mark.parametrize("pipeline, most", [("QwenImageEditPlusPipeline", 3), ("QwenImageEditPipeline", 1)])
+def test_a_row_with_more_images_than_its_pipeline_takes_is_one_line_naming_it(tmp_path, pipeline, most):
+    """Qwen-Image-Edit-Plus edits from 1 to 3 images a row; a 4th (a 2nd for the one-image pipelines) is refused
+    naming the row, before any model is built."""
+    from sp_diffusers.flowgrpo.config import TrainConfig
+    from sp_diffusers.flowgrpo.models.conditioning import build_conditioning
+
+    for name in "abcd":
+        _png(tmp_path / f"{name}.png")
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    rows = [{"prompt": "x", "images": ["a.png"]}, {"prompt": "y", "images": ["a.png", "b.png", "c.png", "d.png"][: most + 1]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = TrainConfig()
+    c.model.pipeline = str(folder)
+    with pytest.raises(ConfigError, match=rf"rows\.jsonl:2: {most + 1} images, but model\.pipeline's .* takes "
+                       rf"{'1 to 3 condition images' if most == 3 else 'one condition image'} per row; fix: at most {most}"):
+        build_conditioning(c, None, None, object(), read_prompts(tmp_path / "rows.jsonl"))

@@ -60,6 +60,11 @@ def conditioned_adapter(
     raise ValueError(f"no adapter for the condition {kind!r}")
 
 
+# the condition images a row may carry, by condition kind (folder_checks.PIPELINE_CONDITIONS): Qwen-Image-Edit-Plus
+# (2509 / 2511) edits from 1 to 3 images; the other editing and image-to-video pipelines from one
+MAX_CONDITION_IMAGES = {"qwen-edit-plus": 3}
+
+
 def _repeat(value: Any, times: int) -> Any:
     if torch.is_tensor(value):
         return value.repeat_interleave(times, dim=0)
@@ -193,6 +198,14 @@ def build_conditioning(
         raise ConfigError(
             f"model.pipeline={config.model.pipeline!r} is conditioned on images ({kind}): fix: data.train=<a .jsonl "
             'file of {"prompt": ..., "image": "path"} rows>'
+        )
+    most = MAX_CONDITION_IMAGES.get(kind, 1)
+    over = next((r for r in rows if len(r.images) > most), None)
+    if over is not None:
+        takes = f"1 to {most} condition images" if most > 1 else "one condition image"
+        raise ConfigError(
+            f"{over.where or 'a prompt row'}: {len(over.images)} images, but model.pipeline's {kind} takes {takes} per "
+            f"row; fix: at most {most} in each row's \"images\""
         )
     counts = {len(r.images) for r in rows if r.images}
     images = max(counts) if counts else 1
