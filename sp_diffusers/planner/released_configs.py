@@ -34,19 +34,9 @@ QWEN_IMAGE: dict[str, Any] = {  # Qwen/Qwen-Image
     "guidance_embeds": False,
     "axes_dims_rope": (16, 56, 56),
 }
-# Qwen/Qwen-Image-2512: a new release of Qwen-Image's weights on the same architecture (its config as published,
-# written out: tests/test_qwen_image_2512.py holds that the Qwen-Image adapter and plan take it)
-QWEN_IMAGE_2512: dict[str, Any] = {
-    "patch_size": 2,
-    "in_channels": 64,
-    "out_channels": 16,
-    "num_layers": 60,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 3584,
-    "guidance_embeds": False,
-    "axes_dims_rope": (16, 56, 56),
-}
+# Qwen/Qwen-Image-2512: a new release of Qwen-Image's weights; its published transformer config is Qwen-Image's
+# (tests/test_qwen_image_2512.py builds the model from it at the published size)
+QWEN_IMAGE_2512: dict[str, Any] = QWEN_IMAGE
 FLUX_DEV: dict[str, Any] = {  # black-forest-labs/FLUX.1-dev
     "patch_size": 1,
     "in_channels": 64,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.workers.engine_steps import _full, _quiet, _trainer
-from tests.workers.guard_steps import G, _fixed_data, _guard_batch, _guard_config
+from tests.workers.engine_steps import _quiet, _trainer
+from tests.workers.guard_steps import G, _fixed_data, _guard_batch, _guard_config, captured_update
 
 
 def _dppo_old(step, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -19,24 +19,13 @@ def _dppo_old(step, target: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dppo_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
     _quiet()
     trainer = _trainer(_guard_config(sp, ring, algorithm="flow_dppo"))
-    engine = trainer.engine
     data = _fixed_data(trainer)
     # rows alternately far inside the region (a drift of 1e-6: D ~ 1e-11) and far outside it (0.3: D > 0.1), so no
     # layout's rounding can move a row across the 1e-5 threshold
     size = torch.tensor([1e-6, 0.3]).repeat(G // 2).view(G, 1, *[1] * (data["drift"].ndim - 2))
     data["drift"] = size * torch.sign(data["drift"] + 1e-30)
     batch, traj, adv, old = _guard_batch(trainer, data, old_of=_dppo_old)
-    captured: dict = {}
-    original_step = engine.optimizer_step
-
-    def capture_then_step():
-        captured["grads"] = {n: _full(p.grad) for n, p in engine.model.named_parameters() if p.grad is not None}
-        captured["before"] = {n: _full(p) for n, p in engine.model.named_parameters()}
-        return original_step()
-
-    engine.optimizer_step = capture_then_step
-    metrics = trainer.update(batch, traj, adv, old)
-    params = {n: _full(p) for n, p in engine.model.named_parameters()}
+    metrics, captured, params = captured_update(trainer, batch, traj, adv, old)
     out = {
         "loss": metrics["loss"],
         "masked": metrics["clipfrac"],

@@ -89,26 +89,30 @@ def _guard_batch(trainer, data: dict, old_of=_guard_old):
     return batch, traj, data["advantages"], torch.stack(old, dim=1)
 
 
-def guard_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
-    """One GRPO-Guard update (4 micro-batches x 2 trained steps, one optimizer step) on this layout, and a fresh
-    rollout's first update (ratio exactly 1) for the full-SDE rollout and for per-sample windows."""
-    _quiet()
-    trainer = _trainer(_guard_config(sp, ring))
+def captured_update(trainer, batch, traj, adv, old) -> tuple[dict, dict, dict]:
+    """``trainer.update`` with the gradients and parameters just before its optimizer step captured:
+    ``(metrics, {"grads", "before"}, parameters after)``."""
     engine = trainer.engine
-    batch, traj, adv, old = _guard_batch(trainer, _fixed_data(trainer))
     captured: dict = {}
     original_step = engine.optimizer_step
 
     def capture_then_step():
-        captured["grads"] = {
-            n: _full(p.grad) for n, p in engine.model.named_parameters() if p.grad is not None
-        }
+        captured["grads"] = {n: _full(p.grad) for n, p in engine.model.named_parameters() if p.grad is not None}
         captured["before"] = {n: _full(p) for n, p in engine.model.named_parameters()}
         return original_step()
 
     engine.optimizer_step = capture_then_step
     metrics = trainer.update(batch, traj, adv, old)
-    params = {n: _full(p) for n, p in engine.model.named_parameters()}
+    return metrics, captured, {n: _full(p) for n, p in engine.model.named_parameters()}
+
+
+def guard_update(rank: int, world: int, sp: int, ring: int = 1) -> dict:
+    """One GRPO-Guard update (4 micro-batches x 2 trained steps, one optimizer step) on this layout, and a fresh
+    rollout's first update (ratio exactly 1) for the full-SDE rollout and for per-sample windows."""
+    _quiet()
+    trainer = _trainer(_guard_config(sp, ring))
+    batch, traj, adv, old = _guard_batch(trainer, _fixed_data(trainer))
+    metrics, captured, params = captured_update(trainer, batch, traj, adv, old)
     out = {
         "loss": metrics["loss"],
         "clipfrac": metrics["clipfrac"],

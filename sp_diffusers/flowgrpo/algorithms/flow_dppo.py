@@ -22,7 +22,7 @@ import torch
 from ..config import ConfigError, TrainConfig
 from .base import Inputs, StepInputs, Targets
 from .flow_grpo import FlowGRPO
-from .loss import reference_kl
+from .loss import kl_to_reference, ratio_metrics
 
 __all__ = ["FlowDPPO", "flow_dppo_loss"]
 
@@ -81,30 +81,19 @@ def flow_dppo_loss(
         further_down = outside & (ratio < 1.0) & (adv < 0)
         keep = ~(further_up | further_down)
     pg = torch.where(keep, -adv * ratio, torch.zeros((), dtype=dtype, device=ratio.device)).mean()
-    if kl_coef > 0:
-        if ref_prev_sample_mean is None:
-            raise ValueError("flow_dppo_loss: kl_coef > 0 needs ref_prev_sample_mean (the reference's step mean)")
-        kl = reference_kl(prev_sample_mean, ref_prev_sample_mean, std_dev_t, dtype)
-    else:
-        kl = pg.new_zeros(())
+    kl = kl_to_reference(kl_coef, prev_sample_mean, ref_prev_sample_mean, std_dev_t, dtype, pg, "flow_dppo_loss")
     total = pg + kl_coef * kl
+    metrics = ratio_metrics(total, pg, kl, log_ratio, ratio)
     with torch.no_grad():
-        r = ratio.detach()
-        metrics = {
-            "loss": total.detach(),
-            "policy_loss": pg.detach(),
-            "kl": kl.detach(),
-            "ppo_kl": (-log_ratio.detach()).mean(),
-            "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
-            "ratio_mean": r.mean(),
-            "ratio_std": r.std(correction=0),
-            "clipfrac": (~keep).to(dtype).mean(),
-            "kl_new_old_mean": divergence.mean(),
-            "kl_new_old_max": divergence.max(),
-            "kl_mask_fraction": outside.to(dtype).mean(),
-            "pos_rm_fraction": further_up.to(dtype).mean(),
-            "neg_rm_fraction": further_down.to(dtype).mean(),
-        }
+        metrics.update(
+            approx_kl=0.5 * (log_ratio.detach() ** 2).mean(),
+            clipfrac=(~keep).to(dtype).mean(),
+            kl_new_old_mean=divergence.mean(),
+            kl_new_old_max=divergence.max(),
+            kl_mask_fraction=outside.to(dtype).mean(),
+            pos_rm_fraction=further_up.to(dtype).mean(),
+            neg_rm_fraction=further_down.to(dtype).mean(),
+        )
     return total / normalizer, metrics
 
 

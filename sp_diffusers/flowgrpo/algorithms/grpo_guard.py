@@ -31,7 +31,7 @@ from ..config import ConfigError, TrainConfig
 from .advantages import group_advantages
 from .base import Inputs, StepInputs, Targets
 from .flow_grpo import FlowGRPO
-from .loss import reference_kl
+from .loss import kl_to_reference, ratio_metrics
 
 __all__ = ["GUARD_BIAS", "GRPOGuard", "grpo_guard_loss"]
 
@@ -94,28 +94,18 @@ def grpo_guard_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     pg = torch.maximum(unclipped, clipped).mean() / sqrt_dt_mean**2
-    if kl_coef > 0:
-        if ref_prev_sample_mean is None:
-            raise ValueError("grpo_guard_loss: kl_coef > 0 needs ref_prev_sample_mean (the reference's step mean)")
-        kl = reference_kl(prev_sample_mean, ref_prev_sample_mean, std_dev_t, dtype)
-    else:
-        kl = pg.new_zeros(())
+    kl = kl_to_reference(kl_coef, prev_sample_mean, ref_prev_sample_mean, std_dev_t, dtype, pg, "grpo_guard_loss")
     total = pg + kl_coef * kl
+    metrics = ratio_metrics(total, pg, kl, log_ratio, ratio)
     with torch.no_grad():
         r = ratio.detach()
-        metrics = {
-            "loss": total.detach(),
-            "policy_loss": pg.detach(),
-            "kl": kl.detach(),
-            "ppo_kl": (-log_ratio.detach()).mean(),
-            "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
-            "clipfrac": ((r - 1.0).abs() > clip_range).to(dtype).mean(),
-            "clipfrac_gt_one": (r - 1.0 > clip_range).to(dtype).mean(),
-            "clipfrac_lt_one": (1.0 - r > clip_range).to(dtype).mean(),
-            "ratio_mean": r.mean(),
-            "ratio_std": r.std(correction=0),
-            "ratio_mean_bias": mean_bias.detach().mean(),
-        }
+        metrics.update(
+            approx_kl=0.5 * (log_ratio.detach() ** 2).mean(),
+            clipfrac=((r - 1.0).abs() > clip_range).to(dtype).mean(),
+            clipfrac_gt_one=(r - 1.0 > clip_range).to(dtype).mean(),
+            clipfrac_lt_one=(1.0 - r > clip_range).to(dtype).mean(),
+            ratio_mean_bias=mean_bias.detach().mean(),
+        )
     return total / normalizer, metrics
 
 

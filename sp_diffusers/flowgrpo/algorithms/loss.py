@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flowgrpo_loss", "reference_kl"]
+__all__ = ["flowgrpo_loss", "kl_to_reference", "ratio_metrics", "reference_kl"]
 
 
 def _check_batch_vector(t: torch.Tensor, name: str, batch: int) -> None:
@@ -71,6 +71,41 @@ def reference_kl(
 ) -> torch.Tensor:
     """The KL term of :func:`flowgrpo_loss` alone (0-d): ``mean_b(mean((mean - mean_ref)^2) / (2 std_dev_t_b^2))``."""
     return _kl_term(prev_sample_mean, ref_prev_sample_mean, std_dev_t, prev_sample_mean.shape[0], dtype)
+
+
+def kl_to_reference(
+    kl_coef: float,
+    prev_sample_mean: torch.Tensor,
+    ref_prev_sample_mean: torch.Tensor | None,
+    std_dev_t: torch.Tensor,
+    dtype: torch.dtype,
+    like: torch.Tensor,
+    loss: str,
+) -> torch.Tensor:
+    """The optional KL term of a ratio loss (``loss`` names it in the error): :func:`reference_kl` where
+    ``kl_coef > 0``, else a 0-d zero like ``like``."""
+    if not kl_coef > 0:
+        return like.new_zeros(())
+    if ref_prev_sample_mean is None:
+        raise ValueError(f"{loss}: kl_coef > 0 needs ref_prev_sample_mean (the reference's step mean)")
+    return reference_kl(prev_sample_mean, ref_prev_sample_mean, std_dev_t, dtype)
+
+
+@torch.no_grad()
+def ratio_metrics(
+    total: torch.Tensor, pg: torch.Tensor, kl: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """What every ratio loss reports (detached 0-d tensors): ``loss`` (before the normalizer), ``policy_loss``,
+    ``kl``, ``ppo_kl`` (``mean(-log ratio)``), ``ratio_mean``, ``ratio_std`` (population)."""
+    r = ratio.detach()
+    return {
+        "loss": total.detach(),
+        "policy_loss": pg.detach(),
+        "kl": kl.detach(),
+        "ppo_kl": (-log_ratio.detach()).mean(),
+        "ratio_mean": r.mean(),
+        "ratio_std": r.std(correction=0),
+    }
 
 
 def flowgrpo_loss(
@@ -149,15 +184,6 @@ def flowgrpo_loss(
     total = pg + kl_coef * kl
     loss = total / normalizer
 
-    with torch.no_grad():
-        r = ratio.detach()
-        metrics = {
-            "loss": total.detach(),
-            "policy_loss": pg.detach(),
-            "kl": kl.detach(),
-            "ppo_kl": (old - lp.detach()).mean(),
-            "clipfrac": ((r - 1.0).abs() > clip_range).to(dtype).mean(),
-            "ratio_mean": r.mean(),
-            "ratio_std": r.std(correction=0),
-        }
+    metrics = ratio_metrics(total, pg, kl, lp - old, ratio)
+    metrics["clipfrac"] = ((ratio.detach() - 1.0).abs() > clip_range).to(dtype).mean()
     return loss, metrics
