@@ -2,9 +2,10 @@
 
 The velocity stand-in is a per-sample function (``test_grpo_guard_reference._Engine``: no reduction across the
 batch), so a chunk's numbers do not depend on the other chunks' samples; what could differ is the SDE noise, which
-``BatchNoise`` draws for the whole batch and hands each chunk its rows. The comparison's tolerance, 1e-6 absolute in
-float32, covers an elementwise kernel rounding a shorter batch's tail lanes differently; another noise draw would
-differ by O(1).
+``BatchNoise`` draws for the whole batch and hands each chunk its rows. The comparison's tolerance, 1e-5 absolute in
+float32 (bit-equal on this host), covers an elementwise kernel rounding a shorter batch's tail lanes differently on
+another vector width: an ulp (2.4e-7 at these magnitudes, below 4) per step over 8 steps; another noise draw differs
+by O(1).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sp_diffusers.flowgrpo.sampling.trajectory import Trajectory
 
 from .test_grpo_guard_reference import _Adapter, _cond, _Engine
 
-ATOL = 1e-6  # float32, the same noise: only a shorter batch's rounding (module docstring)
+ATOL = 1e-5  # float32, the same noise: only a shorter batch's rounding on another CPU (module docstring)
 
 
 def _cond_with_negative(b: int) -> dict:
