@@ -137,11 +137,11 @@ def _train(args: argparse.Namespace) -> int:
     trained = [m for m in history if m["iteration"] > trainer.start_iteration]
     if trainer.rank == 0 and trained:
         n = min(5, len(trained))
-        first = sum(m["reward_mean"] for m in trained[:n]) / n
-        last = sum(m["reward_mean"] for m in trained[-n:]) / n
-        print(
-            f"reward (mean of {n} iterations): first {first:+.4f} -> last {last:+.4f}; outputs in {config.train.out_dir}"
-        )
+        # offline preference pairs score nothing: their implicit reward margin is what moves
+        key, name = ("reward_mean", "reward") if "reward_mean" in trained[0] else ("implicit_reward_margin", "margin")
+        first = sum(m[key] for m in trained[:n]) / n
+        last = sum(m[key] for m in trained[-n:]) / n
+        print(f"{name} (mean of {n} iterations): first {first:+.4f} -> last {last:+.4f}; outputs in {config.train.out_dir}")
     return 0
 
 

@@ -31,15 +31,16 @@ def add_lora(model: torch.nn.Module, lora: LoraSettings) -> None:
     except ImportError as err:  # pragma: no cover - peft is in the [train] extra
         raise ImportError("LoRA needs peft: pip install 'sp-diffusers[train]'") from err
     model.requires_grad_(False)
-    model.add_adapter(
-        LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            target_modules=list(lora.target_modules),
-            init_lora_weights=lora.init,
-        ),
-        adapter_name=lora.adapter_name,
-    )
+    with lora.seeded():
+        model.add_adapter(
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                target_modules=list(lora.target_modules),
+                init_lora_weights=lora.init,
+            ),
+            adapter_name=lora.adapter_name,
+        )
 
 
 def control_groups(dims: ParallelDims, sp_group: Any) -> tuple[Any, Any]:

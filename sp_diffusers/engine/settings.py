@@ -3,11 +3,15 @@ direct callers all translate into (nothing restates the engine's arguments)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..patching.backend_registration import BACKEND_NAME
 from .compiling import COMPILE_MODES
@@ -53,6 +57,21 @@ class LoraSettings:
     target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     init: str | bool = "gaussian"  # peft's init_lora_weights
     adapter_name: str = "default"
+    # the adapters' initial draw: seeded, so that every rank (replicas, shards) draws the same and runs repeat;
+    # None: the global RNG, as peft draws
+    seed: int | None = 0
+
+    @contextlib.contextmanager
+    def seeded(self) -> Iterator[None]:
+        """The adapters' initialisation inside: the RNGs (CPU and every GPU) seeded by ``seed`` and restored after,
+        so the caller's random stream is untouched."""
+        if self.seed is None:
+            yield
+            return
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.seed)
+            yield
 
 
 @dataclass(frozen=True)

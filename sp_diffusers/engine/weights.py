@@ -135,15 +135,16 @@ def _init_lora(model: torch.nn.Module, missing: list[str], lora: LoraSettings | 
     if not missing or lora is None:
         return
     name = lora.adapter_name
-    for module in model.modules():
-        if name in getattr(module, "lora_A", {}) and hasattr(module, "reset_lora_parameters"):
-            if lora.init is False:
-                # peft's init_lora_weights=False keeps the layers' own nn.Linear initialisation, which to_empty
-                # erased (peft's reset returns without touching them): redo it
-                module.lora_A[name].reset_parameters()
-                module.lora_B[name].reset_parameters()
-            else:
-                module.reset_lora_parameters(name, lora.init)
+    with lora.seeded():
+        for module in model.modules():
+            if name in getattr(module, "lora_A", {}) and hasattr(module, "reset_lora_parameters"):
+                if lora.init is False:
+                    # peft's init_lora_weights=False keeps the layers' own nn.Linear initialisation, which to_empty
+                    # erased (peft's reset returns without touching them): redo it
+                    module.lora_A[name].reset_parameters()
+                    module.lora_B[name].reset_parameters()
+                else:
+                    module.reset_lora_parameters(name, lora.init)
 
 
 class _Reader:

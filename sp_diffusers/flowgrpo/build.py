@@ -69,7 +69,11 @@ def engine_settings(
             warmup_steps=o.warmup_steps,
         ),
         lora=LoraSettings(
-            rank=lora.rank, alpha=lora.alpha, target_modules=tuple(lora.target_modules), init=lora.init
+            rank=lora.rank,
+            alpha=lora.alpha,
+            target_modules=tuple(lora.target_modules),
+            init=lora.init,
+            seed=config.train.seed,
         )
         if lora.enabled
         else None,

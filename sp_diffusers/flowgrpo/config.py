@@ -24,6 +24,8 @@ __all__ = [
     "TEXT_OFFLOAD",
     "TINY_KIND",
     "ConfigError",
+    "DPOConfig",
+    "DPPOConfig",
     "DanceConfig",
     "DataConfig",
     "FlowGRPOConfig",
@@ -168,6 +170,17 @@ class DPPOConfig:
 
 
 @dataclass
+class DPOConfig:
+    """``flowgrpo.dpo``: Diffusion-DPO's keys (arXiv 2311.12908; algorithms/diffusion_dpo.py), verl-omni's defaults."""
+
+    beta: float = 2000.0  # the inverse temperature of the pairwise loss (verl-omni's online Qwen-Image recipe: 100)
+    # offline: a .jsonl of {"prompt", "chosen", "rejected"} image rows trained instead of rollouts ("": online)
+    pairs: str = ""
+    # held-out pairs (the same format): their implicit reward margin and accuracy every train.eval_every iterations
+    eval_pairs: str = ""
+
+
+@dataclass
 class MixConfig:
     """``flowgrpo.mix``: MixGRPO's keys (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window
     of ``window_size`` SDE steps whose start moves with training (``strategy``), Euler ODE before it, Euler or
@@ -264,6 +277,7 @@ class FlowGRPOConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     mix: MixConfig = field(default_factory=MixConfig)
     dppo: DPPOConfig = field(default_factory=DPPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FLAT_KEYS:  # an old flat key: the new one, with a warning (for one release)
@@ -512,10 +526,17 @@ def validate(config: TrainConfig) -> None:
             "wandb from train.loggers",
         )
     require(
-        not t.eval_every or bool(config.data.eval),
+        not t.eval_every or bool(config.data.eval or config.flowgrpo.dpo.eval_pairs),
         "train.eval_every",
         t.eval_every,
-        "evaluates the held-out prompts of data.eval; fix: data.eval=<a .txt or .jsonl file>, or train.eval_every=0",
+        "evaluates the held-out prompts of data.eval (or Diffusion-DPO's flowgrpo.dpo.eval_pairs); fix: "
+        "data.eval=<a .txt or .jsonl file>, or train.eval_every=0",
+    )
+    require(
+        not config.flowgrpo.dpo.eval_pairs or bool(t.eval_every),
+        "flowgrpo.dpo.eval_pairs",
+        config.flowgrpo.dpo.eval_pairs,
+        "is evaluated every train.eval_every iterations, which is 0; fix: train.eval_every=N",
     )
 
 

@@ -3,7 +3,7 @@
 The checks the trainer runs before it builds anything, in its order, each raising the error training would raise:
 the algorithm keys; the model folder (``model.kind`` against the folder's class, the components the run loads:
 ``folder_checks.py``, JSON only); the rewards (imported as training imports them: a missing file or callable shows
-here); the prompt files; a ``text.pipeline`` or ``flowgrpo.scheduler`` folder. The lines returned say what was found.
+here); the prompt files and preference pairs; a ``text.pipeline`` or ``flowgrpo.scheduler`` folder. The lines returned say what was found.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ def check_config(config: TrainConfig) -> list[str]:
     """Check ``config`` against the files it names; the report, one line per finding (``ConfigError`` otherwise)."""
     from .build import check_algorithm
     from .io.data import read_prompts
+    from .io.preferences import read_pairs
     from .models.folder_checks import check_model_folder, read_index
     from .rewards.loading import reward_specs
     from .sampling.pipeline_schedule import load_scheduler_config
@@ -35,4 +36,7 @@ def check_config(config: TrainConfig) -> list[str]:
     for key, path in (("data.train", config.data.train), ("data.eval", config.data.eval)):
         if path:
             lines.append(f"{key}={path}: {len(read_prompts(path, key, config.data.max_image_pixels))} prompts")
+    for key, path in (("flowgrpo.dpo.pairs", g.dpo.pairs), ("flowgrpo.dpo.eval_pairs", g.dpo.eval_pairs)):
+        if path:
+            lines.append(f"{key}={path}: {len(read_pairs(path, key, config.data.max_image_pixels))} preference pairs")
     return lines

@@ -40,9 +40,9 @@ from ..parallel.devices import fetch_scalars, to_device
 from ..parallel.launch import init_distributed, record_peers
 from ..parallel.ledger import CommLedger, as_metrics, comm_phase
 from ..parallel.padding import length_bucket
-from .algorithms.base import StepContext
+from .algorithms.base import StepContext, Targets
+from .algorithms.diffusion_dpo import check_pair_family
 from .algorithms.registry import algorithm_for
-from .algorithms.selection import kept_samples
 from .batch import IterationBatch
 from .build import (
     build_text_encoder,
@@ -54,11 +54,12 @@ from .config import ConfigError, TrainConfig, validate
 from .io.data import PromptRow, PromptStream, read_prompts
 from .io.evaluate import Evaluator
 from .io.metrics import RunLog
+from .io.preferences import PairLatents, read_pairs
 from .io.run_lock import lock_run_dir
 from .io.run_record import read_record, resume_problem, run_record
 from .models.adapters import build_adapter
 from .models.conditioning import PromptEncoder, build_conditioning
-from .models.decode import PixelDecoder
+from .models.decode import PixelDecoder, PixelEncoder
 from .models.experts import ExpertEngines, build_engines, check_expert_steps, route
 from .models.pipeline_io import load_vae, resolve_pipeline
 from .models.text import DEFAULT_PROMPTS
@@ -68,11 +69,12 @@ from .rewards.scoring import RewardSet, Scorer
 from .sampling.denoise import Sampler, denoise, denoise_in_chunks, evaluate_step
 from .sampling.guidance import WeightHolder, gathers_once
 from .sampling.trajectory import Trajectory
-from .update import micro_batches, policy_update
+from .update import evaluate_trained_step, micro_batches, policy_update
 
 __all__ = ["FlowGRPOTrainer"]
 
 EngineFactory = Callable[[torch.nn.Module, EngineSettings], FSDPEngine]
+EVAL_PAIR_DRAWS = 4  # forward-process points per held-out preference pair (flowgrpo.dpo.eval_pairs)
 
 
 def _seed(*parts: int) -> int:
@@ -106,6 +108,10 @@ class FlowGRPOTrainer:
         limit = c.data.max_image_pixels
         train_rows = read_prompts(c.data.train, "data.train", limit) if c.data.train else []
         eval_rows = read_prompts(c.data.eval, "data.eval", limit) if c.data.eval else []
+        # Diffusion-DPO offline: preference pairs trained instead of rollouts, and held-out pairs (io/preferences.py)
+        dpo = c.flowgrpo.dpo
+        pair_rows = read_pairs(dpo.pairs, "flowgrpo.dpo.pairs", limit) if dpo.pairs else []
+        eval_pair_rows = read_pairs(dpo.eval_pairs, "flowgrpo.dpo.eval_pairs", limit) if dpo.eval_pairs else []
         # FSDP2 warns when a wrapped model returns a view (Wan's unpatchify does); the warning is about in-place
         # ops on that view, and the trainer only ever reads the velocity (every op on it is out of place)
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -134,6 +140,8 @@ class FlowGRPOTrainer:
         self.decoder = (
             PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
         )
+        self.pair_latents = self._pair_latents(vae) if pair_rows or eval_pair_rows else None
+        self.eval_pair_rows = eval_pair_rows
         # a callable (latents, prompts) -> [B] given here (or set later: trainer.reward) replaces the configured ones
         self.scorer = Scorer(RewardSet.from_config(c, self.adapter, self.engine, self.decoder), self.adapter.reward_view, reward)
         self.schedule = run_schedule(c, self.adapter)
@@ -146,8 +154,10 @@ class FlowGRPOTrainer:
         self.rule = self.algorithm.step_rule()
         self.prompts = list(c.prompts) or list(DEFAULT_PROMPTS)
         # data.train: a per-epoch shuffled stream (data.py); (iteration, position) the run continues from
-        self.stream = PromptStream(train_rows, c.train.seed) if train_rows else None
-        self.prepare_prompts([*(train_rows or [PromptRow(p) for p in self.prompts]), *eval_rows])
+        self.offline = bool(pair_rows)  # the stream visits pairs, and no rollout runs
+        data_rows = train_rows or pair_rows
+        self.stream = PromptStream(data_rows, c.train.seed) if data_rows else None
+        self.prepare_prompts([*(data_rows or [PromptRow(p) for p in self.prompts]), *eval_rows, *eval_pair_rows])
         self.data_base = (0, 0)
         self.out_dir = Path(c.train.out_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -232,14 +242,20 @@ class FlowGRPOTrainer:
         else:
             picks = torch.randint(len(self.prompts), (g.prompts_per_rank,), generator=gen).tolist()
             rows = [PromptRow(self.prompts[i]) for i in picks]
-        cond, sources = self.prompt_encoder.encode(rows, g.group_size)
+        group = 2 if self.offline else g.group_size  # offline: each row is a (chosen, rejected) pair
+        cond, sources = self.prompt_encoder.encode(rows, group)
         first_group = self.engine.dp_rank * g.prompts_per_rank
+        if self.offline:
+            assert self.pair_latents is not None
+            latents = self.pair_latents(rows)  # the pairs' data, where a rollout starts from noise
+        else:
+            latents = torch.randn(self.adapter.latent_shape(len(rows) * group), generator=gen)
         batch = IterationBatch(
-            prompts=[r.prompt for r in rows for _ in range(g.group_size)],
-            metadata=[r.metadata for r in rows for _ in range(g.group_size)],
+            prompts=[r.prompt for r in rows for _ in range(group)],
+            metadata=[r.metadata for r in rows for _ in range(group)],
             cond=cond,
-            group_ids=torch.arange(first_group, first_group + len(rows)).repeat_interleave(g.group_size),
-            latents=torch.randn(self.adapter.latent_shape(len(rows) * g.group_size), generator=gen),
+            group_ids=torch.arange(first_group, first_group + len(rows)).repeat_interleave(group),
+            latents=latents,
             source_pixels=sources,
         )
         # its window, its trained steps (algorithms/); what moves with training (MixGRPO's window) from a generator
@@ -264,6 +280,8 @@ class FlowGRPOTrainer:
         rewards and advantages ``[B]``, of a prepared batch. Where the loss reads the old policy's step means, they
         come from where the old log-probs come from: their recomputation, or the rollout itself. With
         ``rollout.chunks > 1`` the configured rewards score each chunk in the background (``rewards/overlap.py``)."""
+        if self.offline:  # preference pairs: the batch's latents are the data, nothing samples or scores
+            return self.pair_batch(batch)
         wants = self.algorithm.inputs()
         recompute = self.config.flowgrpo.recompute_old_log_probs
         kl_reward = self.config.flowgrpo.kl_reward > 0
@@ -288,6 +306,44 @@ class FlowGRPOTrainer:
             if scoring is not None:
                 stats.update(reward_seconds=scoring.busy_seconds, reward_wait_seconds=scoring.wait_seconds)
         return traj, advantages, old_log_probs.detach(), stats
+
+    def pair_batch(self, batch: IterationBatch) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """A batch of preference pairs as :meth:`collect` returns a rollout: the data as the trajectory's final
+        latents, the pairs' labels (+1 chosen, -1 rejected) as advantages, every sample kept in its order."""
+        traj = Trajectory.of_data(batch.latents)
+        traj.train_steps, traj.noise_seed = batch.plan.train_steps, batch.plan.noise_seed
+        n = len(batch)
+        labels = to_device(torch.tensor([1.0, -1.0]).repeat(n // 2), batch.latents.device)
+        batch.kept = torch.arange(n)
+        return traj, labels, labels.new_zeros((n, 0)), {"pairs": float(n // 2 * self.engine.dp_size)}
+
+    def evaluate_pairs(self) -> dict[str, float]:
+        """The held-out pairs (``flowgrpo.dpo.eval_pairs``) under the policy, without a gradient: the implicit
+        reward margin and accuracy, the loss, each pair at ``EVAL_PAIR_DRAWS`` noises and sigmas fixed for the run
+        (every rank evaluates every pair: an SP group runs its forwards together)."""
+        assert self.pair_latents is not None
+        rows, g = self.eval_pair_rows, self.config.flowgrpo
+        batch = IterationBatch(
+            prompts=[r.prompt for r in rows for _ in range(2)],
+            cond=self.prompt_encoder.encode(rows, 2)[0],
+            group_ids=torch.arange(len(rows)).repeat_interleave(2),
+            latents=self.pair_latents(rows),
+        ).prepared(self.engine)
+        traj = Trajectory.of_data(batch.latents)
+        traj.train_steps = torch.zeros(len(batch), EVAL_PAIR_DRAWS, dtype=torch.long, device=batch.latents.device)
+        traj.noise_seed = _seed(self.config.train.seed, 0xE7A1)
+        ctx = StepContext(self.adapter, self.schedule, self.rule, self.config)
+        sums: dict[str, Any] = {}
+        share = 1.0 / (EVAL_PAIR_DRAWS * len(batch))
+        with torch.no_grad(), self.engine.eval_mode(), self.engine.ema_weights():
+            for draw in range(EVAL_PAIR_DRAWS):  # each pair at several (noise, sigma): one draw is a noisy measure
+                for micro in torch.arange(len(batch)).split(g.micro_batch_size):
+                    idx = to_device(micro, batch.latents.device)
+                    step = evaluate_trained_step(self.engine, self.algorithm, ctx, traj, draw, idx, batch.cond_of(idx))
+                    _, metrics = self.algorithm.loss(step, Targets(idx.new_zeros(0)), 1.0)
+                    for key in ("loss", "implicit_acc", "implicit_reward_margin"):
+                        sums[key] = sums.get(key, 0.0) + metrics[key] * (micro.numel() * share)
+        return {f"eval_pairs/{k}": v for k, v in fetch_scalars(sums).items()}
 
     def rollout(
         self,
@@ -418,10 +474,7 @@ class FlowGRPOTrainer:
             per_sample = advantages_all.abs().sum(dim=1)
         b = rewards.shape[0]
         advantages = advantages_all[engine.dp_rank * b : (engine.dp_rank + 1) * b]
-        if self.algorithm.drops_zero_advantage():
-            batch.kept = kept_samples(
-                per_sample, engine.dp_rank, engine.dp_size, g.mini_batches, batch.shuffle_seed + 1
-            )
+        batch.kept = self.algorithm.kept(per_sample, engine.dp_rank, engine.dp_size, batch.shuffle_seed + 1)
         stats = {
             "reward_mean": all_rewards.mean(),
             "reward_std": all_rewards.std(correction=0),
@@ -455,6 +508,19 @@ class FlowGRPOTrainer:
             zero = ("loss", "policy_loss", "kl", "ppo_kl", "clipfrac", "grad_norm")
             metrics.update({k: 0.0 for k in zero}, ratio_mean=1.0, ratio_std=0.0, lr=lr, step_skipped=1.0)
         return metrics
+
+    def _pair_latents(self, vae: torch.nn.Module | None) -> PairLatents:
+        """The encoder of preference images (``model.pipeline``'s VAE), at the size the run's latents decode to."""
+        check_pair_family(self.config)  # model.kind is settled now
+        if vae is None or self.decoder is None:
+            raise ConfigError(
+                "flowgrpo.dpo.pairs / eval_pairs: the images are encoded through model.pipeline's VAE, and this run "
+                "has none; fix: model.pipeline=<the diffusers pipeline folder of this model>"
+            )
+        size = tuple(self.decoder(torch.zeros(self.adapter.latent_shape(1))).shape[-2:])
+        encoder = PixelEncoder(vae, self.adapter, self.engine.device, self.config.flowgrpo.micro_batch_size)
+        key = "flowgrpo.dpo.pairs" if self.config.flowgrpo.dpo.pairs else "flowgrpo.dpo.eval_pairs"
+        return PairLatents(encoder, (int(size[0]), int(size[1])), key)
 
     # ----------------------------------------------------------------------------- where the weights live
 
@@ -552,7 +618,10 @@ class FlowGRPOTrainer:
             with self.ledger.recording():
                 metrics = self.train_iteration(it)
                 if c.eval_every and (it + 1) % c.eval_every == 0:
-                    metrics.update(self.evaluator.evaluate())
+                    if self.config.data.eval:
+                        metrics.update(self.evaluator.evaluate())
+                    if self.eval_pair_rows:
+                        metrics.update(self.evaluate_pairs())
                 if c.sample_every and (it + 1) % c.sample_every == 0:
                     self.evaluator.write_samples(it + 1)
             metrics.update(

@@ -34,13 +34,22 @@ __all__ = ["evaluate_trained_step", "micro_batches", "policy_update", "step_loss
 CondFn = Callable[[torch.Tensor], dict[str, Any]]  # sample indices -> the text conditioning of those samples
 
 
-def micro_batches(indices: torch.Tensor, mini_batches: int, micro_batch_size: int, seed: int) -> list[tuple]:
+def micro_batches(
+    indices: torch.Tensor, mini_batches: int, micro_batch_size: int, seed: int, unit: int = 1
+) -> list[tuple]:
     """One pass's mini-batches (one optimizer step each), each a tuple of micro-batches of host sample indices:
     ``indices`` shuffled by ``seed``, cut into ``mini_batches`` chunks, each split into ``micro_batch_size``.
-    The recomputed old log-probs run the first pass's micro-batches too, so that a trained step repeats their
-    arithmetic bit for bit (the same GEMM shapes; docs/training.md, "The on-policy ratio")."""
-    perm = indices[torch.randperm(indices.numel(), generator=torch.Generator().manual_seed(seed))]
-    return [mini.split(micro_batch_size) for mini in perm.chunk(mini_batches)]
+    ``unit``: consecutive indices that move as one (2: Diffusion-DPO's chosen, rejected pairs; ``micro_batch_size``
+    a multiple of it). The recomputed old log-probs run the first pass's micro-batches too, so that a trained step
+    repeats their arithmetic bit for bit (the same GEMM shapes; docs/training.md, "The on-policy ratio")."""
+    if indices.numel() % unit or micro_batch_size % unit:
+        raise ValueError(
+            f"micro_batches: {indices.numel()} samples and micro_batch_size={micro_batch_size} must be multiples of "
+            f"the unit {unit} (pairs stay in one micro-batch)"
+        )
+    units = indices.reshape(-1, unit)
+    perm = units[torch.randperm(units.shape[0], generator=torch.Generator().manual_seed(seed))]
+    return [mini.flatten().split(micro_batch_size) for mini in perm.chunk(mini_batches)]
 
 
 def evaluate_trained_step(
@@ -53,23 +62,23 @@ def evaluate_trained_step(
     if wants.evaluation == "forward_process":
         x0 = traj.final[idx].float()
         steps = traj.steps()[idx, k]
-        schedule = ctx.schedule.on(x0.device)
-        t = schedule.sigmas[steps].to(x0.dtype)
-        timestep = schedule.timesteps[steps]
+        t, timestep, noise = algorithm.forward_point(traj, k, idx, ctx.schedule.on(x0.device))
+        t, noise = t.to(x0.dtype), noise.to(x0.dtype)
         tt = t.reshape(-1, *([1] * (x0.ndim - 1)))
-        x_t = (1.0 - tt) * x0 + tt * algorithm.forward_noise(traj, k, idx)
+        x_t = (1.0 - tt) * x0 + tt * noise
 
         def v_of(e: Any) -> torch.Tensor:
             return velocity(e, ctx.adapter, x_t, timestep, cond)  # the forward process trains without guidance
 
-        with torch.no_grad(), comm_phase("old_log_probs"):  # the old policy's pass
-            v_old = v_of(algorithm.rollout_engine(engine))
+        v_old = v_ref = None
+        if wants.old_velocity:
+            with torch.no_grad(), comm_phase("old_log_probs"):  # the old policy's pass
+                v_old = v_of(algorithm.rollout_engine(engine))
         v = v_of(engine)
-        v_ref = None
         if wants.reference:
             with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
                 v_ref = v_of(engine)
-        return StepInputs(steps, x0=x0, x_t=x_t, t=t, v=v, v_old=v_old, v_ref=v_ref)
+        return StepInputs(steps, x0=x0, x_t=x_t, t=t, noise=noise, v=v, v_old=v_old, v_ref=v_ref)
     steps, latents, next_latents = traj.step_latents(idx, k)
     sampler = ctx.sampler(engine)
     step = evaluate_step(sampler, latents, next_latents, steps, cond, ctx.rule)
@@ -142,7 +151,8 @@ def policy_update(
     count = 0
     optim_metrics: dict[str, float] = {}
     for epoch in range(g.inner_epochs if indices.numel() else 0):
-        for micros in micro_batches(indices, g.mini_batches, g.micro_batch_size, shuffle_seed + epoch):
+        unit = 2 if algorithm.pair_units else 1
+        for micros in micro_batches(indices, g.mini_batches, g.micro_batch_size, shuffle_seed + epoch, unit):
             normalizer = float(len(micros) * num_trained)
             engine.zero_grad()
             # held: gathered at the first micro-step, resharded before the optimizer changes the shards

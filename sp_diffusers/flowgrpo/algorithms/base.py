@@ -10,11 +10,13 @@ An algorithm is one module with one :class:`Algorithm` subclass (``algorithms/re
     rollout      ``span``: which steps are stochastic and how the others step (``sampling.denoise.Span``);
                  ``rollout_engine`` (the policy that samples); ``final_is_prediction`` (the rewards read the last
                  predicted data)
-    advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``drops_zero_advantage``
+    advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``kept``: the samples
+                 the update trains, in its order (the zero-advantage filter; Diffusion-DPO's pairs), and
+                 ``pair_units`` (the update's shuffle and micro-batches keep neighbours 2k, 2k + 1 together)
     update       ``inputs``: what the loop evaluates for a trained step (:class:`Inputs`: the stored step's log-prob
-                 under the policy, or the velocities at noised data; the old log-probs and step means; the
-                 reference policy); ``loss``: a pure function of the evaluated :class:`StepInputs` and the fixed
-                 :class:`Targets`, with its metrics
+                 under the policy, or the velocities at noised data, ``forward_point`` saying where; the old
+                 log-probs and step means; the reference policy); ``loss``: a pure function of the evaluated
+                 :class:`StepInputs` and the fixed :class:`Targets`, with its metrics
     lifecycle    ``attach`` (once the engine is built, and after a checkpoint is loaded: state kept beside the
                  trained model, such as DiffusionNFT's old policy); ``after_update``
 
@@ -36,6 +38,7 @@ from ..sampling.denoise import Sampler, Span
 from ..sampling.sde import StepRule
 from .advantages import group_advantages
 from .loss import flowgrpo_loss
+from .selection import kept_samples
 
 __all__ = ["Algorithm", "Inputs", "StepContext", "StepInputs", "Targets"]
 
@@ -59,14 +62,16 @@ class Inputs:
     """What an algorithm's loss reads, declared: the loop computes these and nothing else.
 
     ``evaluation``: ``"sde_step"`` (the stored transition's log-prob and step mean under the policy) or
-    ``"forward_process"`` (the policy's and the old policy's velocities at the final data noised to the trained
-    step's sigma: DiffusionNFT). ``old_log_probs``: the rollout policy's log-prob of each trained step (recomputed
-    by the actor, or the rollout's own); ``old_means``: its step means beside them. ``reference``: the
-    adapters-off policy at the same inputs (a KL term)."""
+    ``"forward_process"`` (the policy's velocity at the final data noised as ``Algorithm.forward_point`` says:
+    DiffusionNFT, Diffusion-DPO). ``old_log_probs``: the rollout policy's log-prob of each trained step (recomputed
+    by the actor, or the rollout's own); ``old_means``: its step means beside them; ``old_velocity``: the rollout
+    policy's velocity at the noised data (DiffusionNFT). ``reference``: the adapters-off policy at the same inputs
+    (a KL term, Diffusion-DPO's reference errors)."""
 
     evaluation: str = "sde_step"
     old_log_probs: bool = True
     old_means: bool = False
+    old_velocity: bool = False
     reference: bool = False
 
 
@@ -86,6 +91,7 @@ class StepInputs:
     x0: torch.Tensor | None = None
     x_t: torch.Tensor | None = None
     t: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
     v: torch.Tensor | None = None
     v_old: torch.Tensor | None = None
     v_ref: torch.Tensor | None = None
@@ -107,6 +113,7 @@ class Algorithm:
     name: ClassVar[str] = ""
     section: ClassVar[str | None] = None  # its own keys: flowgrpo.<section>.* (read by no other algorithm)
     takes_kl_reward: ClassVar[bool] = False  # flowgrpo.kl_reward: per-step advantages of a stored SDE step's KL
+    pair_units: ClassVar[bool] = False  # the update keeps samples 2k, 2k + 1 of ``kept`` in one micro-batch
     # the shared flowgrpo keys this algorithm does not read: set away from their defaults, they are refused
     ignores: ClassVar[tuple[str, ...]] = ()
 
@@ -189,10 +196,26 @@ class Algorithm:
         ratio objective their gradient is 0)."""
         return self.g.drop_zero_advantage
 
+    def kept(self, per_sample_all: torch.Tensor, dp_rank: int, dp_size: int, seed: int) -> torch.Tensor | None:
+        """This dp rank's samples the update trains, in the order it reads them (None: every sample), the same count
+        on every rank; ``per_sample_all`` ``[dp_size * B]``: every rank's advantages (a sample's total over its
+        steps where there are several). Default: the zero-advantage filter (``selection.kept_samples``)."""
+        if not self.drops_zero_advantage():
+            return None
+        return kept_samples(per_sample_all, dp_rank, dp_size, self.g.mini_batches, seed)
+
     # ------------------------------------------------------------------------------------------ update
     def inputs(self) -> Inputs:
         """What :meth:`loss` reads (the loop evaluates these; the reference pass only where a KL term asks)."""
         return Inputs(reference=self.g.kl_coef > 0)
+
+    def forward_point(
+        self, traj: Any, k: int, idx: torch.Tensor, schedule: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where a ``forward_process`` algorithm evaluates samples ``idx`` at their k-th trained point: ``(sigma [b],
+        model timestep [b] on the 0..1000 scale, noise [b, ...])`` with ``x_t = (1 - sigma) x0 + sigma noise``;
+        ``schedule`` on the samples' device. The same on every rank of an SP group and for any micro-batching."""
+        raise NotImplementedError(f"{self.name} trains stored SDE steps (Inputs.evaluation='sde_step')")
 
     def kl_std(self, step: StepInputs) -> torch.Tensor:
         """The ``[b]`` std the KL term divides by (flow_grpo: the step's ``std_dev_t``, no ``dt`` factor)."""

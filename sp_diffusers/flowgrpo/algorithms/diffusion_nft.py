@@ -221,16 +221,21 @@ class DiffusionNFT(Algorithm):
     def inputs(self) -> Inputs:
         """The velocities at the final data noised to each trained step's sigma: the policy's, the old policy's
         (the rollout engine's) and, for the KL, the adapters-off one's; no log-probs."""
-        return Inputs(evaluation="forward_process", old_log_probs=False, reference=self.g.kl_coef > 0)
+        return Inputs(
+            evaluation="forward_process", old_log_probs=False, old_velocity=True, reference=self.g.kl_coef > 0
+        )
 
-    def forward_noise(self, traj: Trajectory, k: int, idx: torch.Tensor) -> torch.Tensor:
-        """The forward process's noise of samples ``idx`` at their k-th trained step: drawn for the whole batch on
-        the host from (the batch's seed, k), so that every rank of an SP group, and any micro-batching, draws the
-        same; queued to the device (no host sync)."""
+    def forward_point(
+        self, traj: Trajectory, k: int, idx: torch.Tensor, schedule: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The k-th trained schedule step's sigma and timestep, and fresh noise: drawn for the whole batch on the
+        host from (the batch's seed, k), so that every rank of an SP group, and any micro-batching, draws the same;
+        queued to the device (no host sync)."""
+        steps = traj.steps()[idx, k]
         final = traj.final
         gen = torch.Generator().manual_seed(_step_seed(traj.noise_seed, k))
         eps = torch.randn(final.shape, generator=gen, dtype=torch.float32)
-        return to_device(eps, final.device)[idx].to(final.dtype)
+        return schedule.sigmas[steps], schedule.timesteps[steps], to_device(eps, final.device)[idx].to(final.dtype)
 
     def loss(
         self, step: StepInputs, targets: Targets, normalizer: float

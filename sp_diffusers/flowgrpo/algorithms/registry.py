@@ -9,6 +9,7 @@ import warnings
 from ..config import ConfigError, TrainConfig
 from .base import Algorithm
 from .dance_grpo import DanceGRPO
+from .diffusion_dpo import DiffusionDPO
 from .diffusion_nft import DiffusionNFT
 from .flow_dppo import FlowDPPO
 from .flow_grpo import FlowGRPO
@@ -23,7 +24,7 @@ class UnreadKeyWarning(UserWarning):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT, FlowDPPO)
+    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT, FlowDPPO, DiffusionDPO)
 }
 
 

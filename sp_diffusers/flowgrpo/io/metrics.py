@@ -74,8 +74,13 @@ class RunLog:
         if self._bar is not None:
             self._bar.update(1)
             # what moves in an on-policy run (its loss is ~0 and ppo_kl 0 by construction)
+            moving = (
+                {"reward": f"{metrics['reward_mean']:+.3f}"}
+                if "reward_mean" in metrics  # offline preference pairs: the margin
+                else {"margin": f"{metrics.get('implicit_reward_margin', 0.0):+.3f}"}
+            )
             self._bar.set_postfix(
-                reward=f"{metrics['reward_mean']:+.3f}",
+                **moving,
                 clip=f"{metrics.get('clipfrac', 0.0):.2f}",
                 grad=f"{metrics.get('grad_norm', 0.0):.2f}",
                 s_it=f"{metrics['seconds']:.1f}",

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .base import FamilyAdapter
-from .decode import PackedTokens, unpack_2x2
+from .decode import PackedTokens, pack_2x2, unpack_2x2
 from .flux import FluxAdapter, flux_adapter
 
 __all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
@@ -34,6 +34,12 @@ class QwenImageAdapter(PackedTokens):
 
     def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded[:, :, 0]
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.unsqueeze(2)  # [B, 3, H, W] -> one frame
+
+    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
+        return pack_2x2(z[:, :, 0])
 
     def inputs(
         self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
@@ -80,6 +86,12 @@ class SD3Adapter(FamilyAdapter):
 
     def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels
+
+    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
+        return z
 
     def inputs(
         self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
@@ -133,6 +145,12 @@ class WanAdapter(FamilyAdapter):
 
     def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.permute(0, 2, 1, 3, 4)  # [B, F, 3, H, W] -> [B, 3, F, H, W]
+
+    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
+        return z
 
     def inputs(
         self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None

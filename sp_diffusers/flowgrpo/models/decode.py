@@ -1,4 +1,5 @@
-"""Final latents -> pixels in [0, 1] with a pipeline's own VAE, as the family's pipeline decodes them.
+"""Final latents -> pixels in [0, 1] with a pipeline's own VAE, as the family's pipeline decodes them, and back
+(:class:`PixelEncoder`: images of a preference data set into the trainer's latents).
 
 Each adapter says how its latents reach the VAE (``adapter.vae_latents``: Qwen-Image and Flux unpack 2 x 2 tokens,
 SD3 and Wan pass them as they are) and how the decoded tensor is laid out for rewards (``adapter.pixel_layout``:
@@ -16,7 +17,7 @@ import torch
 
 from .base import FamilyAdapter
 
-__all__ = ["PackedTokens", "PixelDecoder", "denormalize", "unpack_2x2"]
+__all__ = ["PackedTokens", "PixelDecoder", "PixelEncoder", "denormalize", "normalize", "pack_2x2", "unpack_2x2"]
 
 
 def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
@@ -27,6 +28,16 @@ def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         raise ValueError(f"unpack_2x2: tokens of shape {tuple(tokens.shape)} do not fill a {grid_h} x {grid_w} grid of 2x2 patches")
     x = tokens.reshape(b, grid_h, grid_w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return x.reshape(b, c4 // 4, 2 * grid_h, 2 * grid_w)
+
+
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """Latents ``[B, C, 2h, 2w]`` -> packed tokens ``[B, h w, 4 C]`` (the pipelines' ``_pack_latents``; the inverse
+    of :func:`unpack_2x2`)."""
+    b, c, height, width = latents.shape
+    if height % 2 or width % 2:
+        raise ValueError(f"pack_2x2: latents of shape {tuple(latents.shape)} do not tile into 2x2 patches")
+    x = latents.reshape(b, c, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (height // 2) * (width // 2), 4 * c)
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,20 @@ def denormalize(vae: Any, z: torch.Tensor) -> torch.Tensor:
     return z / cfg.scaling_factor + shift
 
 
+def normalize(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    """The VAE's latent scale -> the pipeline's latents (the inverse of :func:`denormalize`, as the pipelines
+    normalise an encoded image)."""
+    cfg = vae.config
+    mean = getattr(cfg, "latents_mean", None)
+    if mean is not None:
+        shape = (1, len(mean)) + (1,) * (z.ndim - 2)
+        m = torch.tensor(mean, dtype=z.dtype, device=z.device).view(shape)
+        s = torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(shape)
+        return (z - m) / s
+    shift = getattr(cfg, "shift_factor", None) or 0.0
+    return (z - shift) * cfg.scaling_factor
+
+
 class PixelDecoder:
     """``decoder(latents [b, ...]) -> pixels`` float32 in [0, 1] (``[b, 3, H, W]`` or ``[b, F, 3, H, W]``), decoding
     ``chunk`` samples at a time on ``device`` in the VAE's dtype (a video VAE's activations are large)."""
@@ -79,4 +104,24 @@ class PixelDecoder:
             z = self.adapter.vae_latents(part).to(self.device, self.dtype)
             x = self.vae.decode(denormalize(self.vae, z), return_dict=False)[0]
             out.append(self.adapter.pixel_layout((x.float() / 2 + 0.5).clamp(0, 1)))
+        return torch.cat(out)
+
+
+class PixelEncoder:
+    """``encoder(pixels [b, 3, H, W] in [0, 1]) -> latents [b, ...]`` in the trainer's layout: the VAE's posterior
+    mode (the pipelines' ``retrieve_latents(..., sample_mode="argmax")``), normalised and packed as the family's
+    pipeline lays out its latents; ``chunk`` images at a time on ``device`` in the VAE's dtype."""
+
+    def __init__(self, vae: torch.nn.Module, adapter: Any, device: torch.device | str, chunk: int = 1) -> None:
+        self.vae = vae.to(device).eval().requires_grad_(False)
+        self.adapter, self.device, self.chunk = adapter, torch.device(device), max(1, int(chunk))
+        self.dtype = next(self.vae.parameters()).dtype
+
+    @torch.no_grad()
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        out = []
+        for part in pixels.split(self.chunk):
+            x = self.adapter.vae_pixels(part * 2.0 - 1.0).to(self.device, self.dtype)
+            z = self.vae.encode(x).latent_dist.mode()
+            out.append(self.adapter.from_vae_latents(normalize(self.vae, z.float())))
         return torch.cat(out)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .decode import PackedTokens, unpack_2x2
+from .decode import PackedTokens, pack_2x2, unpack_2x2
 
 __all__ = ["FluxAdapter", "flux_adapter"]
 
@@ -42,6 +42,12 @@ class FluxAdapter(PackedTokens):
 
     def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels
+
+    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
+        return pack_2x2(z)
 
     def image_ids(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``[h w, 3]``: ``(0, row, column)`` of each packed token, as ``FluxPipeline._prepare_latent_image_ids``."""

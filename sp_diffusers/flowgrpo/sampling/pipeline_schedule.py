@@ -23,6 +23,12 @@ keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer time
 
 The model timestep is kept on the 0..1000 scale the pipelines compute; each adapter converts it the way its
 pipeline hands it to the transformer (Qwen-Image divides by 1000).
+
+Beside the sampler's steps a schedule carries the scheduler's *training* grid (``train_sigmas``, its
+``num_train_timesteps`` sigmas before ``set_timesteps``): what a flow-matching training loss draws its noise level
+from (Diffusion-DPO's logit-normal timesteps). FlowMatchEuler's grid is the scheduler's own (static shift applied
+unless it shifts by resolution); UniPC keeps a VP grid until ``set_timesteps``, so its flow grid is
+``flow_shift(linspace(1, 1/1000, 1000))``, the same formula.
 """
 
 from __future__ import annotations
@@ -51,11 +57,13 @@ __all__ = [
 @dataclass(frozen=True)
 class Schedule:
     """``sigmas [N + 1]`` float32 ending in 0, ``timesteps [N]`` float32 (the model timestep of each step, on the
-    0..1000 scale), and where they came from (printed once by the trainer)."""
+    0..1000 scale), where they came from (printed once by the trainer), and ``train_sigmas [1000]`` float32, the
+    scheduler's training grid from 1 down (module docstring; its model timesteps are ``1000 x`` these)."""
 
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     source: str
+    train_sigmas: torch.Tensor | None = None
     _copies: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -70,8 +78,9 @@ class Schedule:
         if device == self.sigmas.device:
             return self
         if device not in self._copies:
+            train = to_device(self.train_sigmas, device) if self.train_sigmas is not None else None
             self._copies[device] = Schedule(
-                to_device(self.sigmas, device), to_device(self.timesteps, device), self.source
+                to_device(self.sigmas, device), to_device(self.timesteps, device), self.source, train
             )
         return self._copies[device]
 
@@ -149,6 +158,10 @@ def pipeline_schedule(
     scheduler = _build_scheduler(config, shift)
     name = type(scheduler).__name__
     c = scheduler.config
+    if name == "FlowMatchEulerDiscreteScheduler":  # its grid before set_timesteps replaces it
+        train = scheduler.sigmas.detach().cpu().to(torch.float32).clone()
+    else:  # UniPC: a VP grid until set_timesteps; its flow grid by the same formula
+        train = _shifted_grid(int(c.get("num_train_timesteps", 1000)), float(c.get("flow_shift", 1.0)))
     dynamic = name == "FlowMatchEulerDiscreteScheduler" and bool(c.get("use_dynamic_shifting", False))
     flux_like = kind in ("qwenimage", "flux")  # both pipelines pass linspace(1, 1/N, N) sigmas and mu
     if flux_like or (kind == "sd3" and dynamic):
@@ -173,7 +186,16 @@ def pipeline_schedule(
     sigmas = scheduler.sigmas.detach().cpu().to(torch.float32)
     timesteps = scheduler.timesteps.detach().cpu().to(torch.float32)
     origin = "the pipeline folder's" if scheduler_config is not None else f"the {kind} default"
-    return Schedule(sigmas, timesteps, f"{name} ({origin} scheduler config), as the {kind} pipeline sets it")
+    return Schedule(
+        sigmas, timesteps, f"{name} ({origin} scheduler config), as the {kind} pipeline sets it", train
+    )
+
+
+def _shifted_grid(num_train_timesteps: int, shift: float) -> torch.Tensor:
+    """``shift(linspace(1, 1/n, n))`` as FlowMatchEulerDiscreteScheduler builds its training grid (float32)."""
+    n = num_train_timesteps
+    s = torch.from_numpy(np.linspace(1, n, n, dtype=np.float32)[::-1].copy()) / n
+    return shift * s / (1 + (shift - 1) * s)
 
 
 def linspace_schedule(num_steps: int, shift: float) -> Schedule:
@@ -190,5 +212,8 @@ def linspace_schedule(num_steps: int, shift: float) -> Schedule:
     sigmas = shift * t / (1.0 + (shift - 1.0) * t)
     timesteps = (sigmas[:-1] * 1000.0).to(torch.int64).to(torch.float32)
     return Schedule(
-        sigmas, timesteps, f"DanceGRPO's shifted linspace (shift {shift:g}), int(1000 sigma) timesteps"
+        sigmas,
+        timesteps,
+        f"DanceGRPO's shifted linspace (shift {shift:g}), int(1000 sigma) timesteps",
+        _shifted_grid(1000, shift),
     )

@@ -29,6 +29,11 @@ class Trajectory:
     old_means: torch.Tensor | None = None  # [B, T, ...] the old policy's step means at the trained steps (collect.py)
     noise_seed: int | None = None  # DiffusionNFT: the forward process's noise (StepPlan.noise_seed)
 
+    @classmethod
+    def of_data(cls, final: torch.Tensor) -> Trajectory:
+        """Data without a rollout (offline preference pairs): no span, no log-probs; ``final`` is the data."""
+        return cls(final.new_zeros((final.shape[0], 0, *final.shape[1:])), final.new_zeros((final.shape[0], 0)), 0, final)
+
     def host_step(self, k: int) -> int | None:
         """The schedule step of the k-th trained step as a host int when every sample shares it, else None."""
         if self.train_steps is None:
