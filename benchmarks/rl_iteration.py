@@ -27,12 +27,16 @@ iteration scored after the rollout.
 
 ``--compile``: the "after" iteration eager against ``train.compile: blocks`` (CPU inductor), timed after two
 iterations (the first forward of each shape runs eagerly, then the graphs compile).
+
+Every mode also prints each variant's phases (the trainer's ``phase_seconds/<phase>``, medians over the timed
+iterations): batch, rollout, old_log_probs, reward (scored there, or the wait for the background scoring), update.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 
@@ -118,12 +122,32 @@ def _rank(
         waits[name] = metrics.get("reward_wait_seconds")
         ledgers[name] = {f"{p}/{k}": list(v) for (p, k), v in ledger.take().items()}
     compiled = any(t.config.train.compile != "off" for t in trainers.values())
+    recorded: dict[str, list[dict]] = {name: [] for name in trainers}
     times = interleaved_times(  # a compiled model's second iteration may still compile (the first runs eagerly)
-        {name: (lambda t=trainer: t.train_iteration(0)) for name, trainer in trainers.items()},
+        {name: (lambda n=name, t=trainer: recorded[n].append(t.train_iteration(0))) for name, trainer in trainers.items()},
         repeats,
         warmup=1 if compiled else 0,
     )
-    return {"seconds": times, "ledger": ledgers, "reward_mean": rewards, "reward_wait_seconds": waits}
+    phases = {  # each phase's median over the timed iterations (the trainer's phase_seconds/<phase>)
+        name: {
+            key.split("/", 1)[1]: statistics.median(m[key] for m in runs[-repeats:])
+            for key in runs[-1]
+            if key.startswith("phase_seconds/")
+        }
+        for name, runs in recorded.items()
+    }
+    return {
+        "seconds": times,
+        "phase_seconds": phases,
+        "ledger": ledgers,
+        "reward_mean": rewards,
+        "reward_wait_seconds": waits,
+    }
+
+
+def _phases(phases: dict[str, float]) -> str:
+    """One variant's phases as ``rollout 1.23  update 2.34 ...`` (seconds, in the loop's order)."""
+    return "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
 
 
 def _kinds(ledger: dict) -> dict[str, int]:
@@ -161,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in VARIANTS:
             moved = "  ".join(f"{k} {v / 2**20:8.2f} MiB" for k, v in sorted(kinds[name].items()))
             print(f"  {name:<7} {sec[name]:7.2f} s/iteration   rank 0 sends: {moved}")
+            print(f"  {'':<7} phases (s): {_phases(r['phase_seconds'][name])}")
         gathers = kinds["before"].get("param_gather", 0) / max(1, kinds["after"].get("param_gather", 0))
         print(f"  after / before: {1 / out[workload]['speedup']:.3f} of the time; parameter gathers / {gathers:.1f}")
     write_json(args.json, {"args": vars(args), **out})
@@ -179,8 +204,11 @@ def _compiled(args: argparse.Namespace) -> int:
         sec = r["seconds"]
         out[workload] = {**r, "ratio": sec["blocks"] / sec["off"]}
         print(f"\n{workload}: FlowGRPO iteration at SP 2, {args.steps} steps, CFG {args.cfg:g} ({args.device})")
-        print(f"  eager     {sec['off']:7.2f} s/iteration")
-        print(f"  compiled  {sec['blocks']:7.2f} s/iteration   {sec['blocks'] / sec['off']:.3f} of eager's")
+        print(f"  eager     {sec['off']:7.2f} s/iteration   phases (s): {_phases(r['phase_seconds']['off'])}")
+        print(
+            f"  compiled  {sec['blocks']:7.2f} s/iteration   {sec['blocks'] / sec['off']:.3f} of eager's   phases (s): "
+            f"{_phases(r['phase_seconds']['blocks'])}"
+        )
     write_json(args.json, {"args": vars(args), **out})
     return 0
 
@@ -234,6 +262,7 @@ def _overlap(args: argparse.Namespace) -> int:
                 wait = r["reward_wait_seconds"][name]
                 waited = f"   waited {wait:6.2f} s for rewards" if wait is not None else ""
                 print(f"  {name:<9} {sec[name]:7.2f} s/iteration   {sec[name] / base:.3f} of {args.chunks[0]}'s{waited}")
+                print(f"  {'':<9} phases (s): {_phases(r['phase_seconds'][name])}")
         write_json(args.json, {"args": vars(args), **out})
     finally:
         server.terminate()

@@ -51,6 +51,11 @@ def test_diffusion_dpo_job_raises_the_reward_against_an_lr_0_control(tmp_path):
         for key in ("loss", "implicit_acc", "implicit_reward_margin", "model_error", "reference_error"):
             assert key in m and m[key] == m[key], key  # present and not NaN
         assert m["trained_samples"] == 8.0  # 4 pairs a rank
+        # where the time went: no old log-probs (DPO reads none); the phases add up to the iteration but for the
+        # bookkeeping between them
+        phases = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("phase_seconds/")}
+        assert set(phases) == {"batch", "rollout", "reward", "update"}, phases
+        assert 0.8 * m["seconds"] <= sum(phases.values()) <= m["seconds"]
     # the first update is on the reference itself (LoRA B = 0): every margin 0, the loss log 2
     assert abs(lines[0]["loss"] - 0.6931) < 1e-3 and lines[0]["implicit_reward_margin"] == 0.0
     assert sum(m["implicit_reward_margin"] for m in lines[-4:]) > 0

@@ -18,7 +18,8 @@ seeded by (seed, iteration, dp rank), never by the global rank) and the engine b
 the group's first rank anyway. Rank 0 writes ``metrics.jsonl`` (TensorBoard, W&B: ``train.loggers``),
 ``metrics.png`` and shows a tqdm bar; checkpoints go to ``<out_dir>/checkpoints`` and a restarted run resumes from
 the newest one. Every collective of an iteration is counted by phase and kind (``sp_diffusers.parallel.ledger``)
-into its metrics (``comm/<phase>/<kind>_calls`` and ``_bytes``).
+into its metrics (``comm/<phase>/<kind>_calls`` and ``_bytes``), and each phase's time too (``timing.py``:
+``phase_seconds/<phase>``: batch, rollout, old_log_probs, reference, reward, update).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ from .rewards.scoring import RewardSet, Scorer
 from .sampling.denoise import Sampler, denoise, denoise_in_chunks, evaluate_step
 from .sampling.guidance import WeightHolder, gathers_once
 from .sampling.trajectory import Trajectory
+from .timing import PhaseClock
 from .update import evaluate_trained_step, micro_batches, policy_update
 
 __all__ = ["FlowGRPOTrainer"]
@@ -166,6 +168,7 @@ class FlowGRPOTrainer:
         self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
         self._update_gather: bool | None = None  # update.gather_params, decided at the first update
         self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
+        self.clock = PhaseClock(self.engine.device)  # each phase's time: metrics phase_seconds/<phase> (timing.py)
         self.evaluator = Evaluator(
             config=c,
             engine=self.engine,
@@ -218,15 +221,18 @@ class FlowGRPOTrainer:
 
     def train_iteration(self, iteration: int) -> dict[str, Any]:
         start, encoding = time.perf_counter(), self.prompt_encoder.seconds
-        batch = self.iteration_batch(iteration).prepared(self.engine)
+        with self.clock("batch"):  # prompts encoded (or their cache read), noise drawn, broadcast over SP
+            batch = self.iteration_batch(iteration).prepared(self.engine)
         traj, advantages, old_log_probs, stats = self.collect(batch)
-        metrics = self.update(batch, traj, advantages, old_log_probs)
+        with self.clock("update"):
+            metrics = self.update(batch, traj, advantages, old_log_probs)
         metrics.update(self.algorithm.after_update(self.engine))  # e.g. DiffusionNFT's old-policy decay
         metrics.update(stats)
         metrics.update(self.algorithm.iteration_metrics(batch.plan))
         if self.stream is not None:
             metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1
+        metrics.update(self.clock.take())  # after the update's metrics were read: no extra wait on a GPU
         metrics["seconds"] = time.perf_counter() - start
         metrics["text_encode_seconds"] = self.prompt_encoder.seconds - encoding
         return metrics
@@ -291,17 +297,19 @@ class FlowGRPOTrainer:
         with contextlib.ExitStack() as stack:
             scoring = stack.enter_context(BackgroundScoring(self.scorer)) if background else None
             with self.engine.eval_mode(), self.weight_holder() as hold:
-                traj = self.rollout(batch, hold, keep_means=means and not recompute, scoring=scoring)
+                with self.clock("rollout"):
+                    traj = self.rollout(batch, hold, keep_means=means and not recompute, scoring=scoring)
                 old_log_probs = traj.rollout_log_probs()
                 if means and not recompute:
                     traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
                 if recompute and (wants.old_log_probs or kl_reward):
-                    with comm_phase("old_log_probs"):
+                    with comm_phase("old_log_probs"), self.clock("old_log_probs"):
                         old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, means)
                 if kl_reward:
-                    with comm_phase("reference"):
+                    with comm_phase("reference"), self.clock("reference"):
                         kl = self.reference_kl(batch, traj, hold)
-            with self.engine.eval_mode(), comm_phase("reward"):
+            # the rewards scored here, or (rollout.chunks) the wait for the background scoring's last chunk
+            with self.engine.eval_mode(), comm_phase("reward"), self.clock("reward"):
                 advantages, stats = self.advantages(batch, traj, scoring, kl)
             if scoring is not None:
                 stats.update(reward_seconds=scoring.busy_seconds, reward_wait_seconds=scoring.wait_seconds)

@@ -330,7 +330,10 @@ def trainer_identity(rank: int, world: int) -> dict:
         trainer = FlowGRPOTrainer(config, engine_factory=factory)
         history = trainer.run()
         runs[name] = {
-            "history": [{k: v for k, v in m.items() if k not in ("seconds", "text_encode_seconds")} for m in history],
+            "history": [  # times differ run to run; everything else must not
+                {k: v for k, v in m.items() if k not in ("seconds", "text_encode_seconds") and "_seconds/" not in k}
+                for m in history
+            ],
             "params": {n: _full(p) for n, p in trainer.engine.model.named_parameters() if p.requires_grad},
             "has_verl_engine": hasattr(trainer.engine, "verl_engine"),
         }
