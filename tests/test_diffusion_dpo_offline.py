@@ -83,7 +83,7 @@ def test_pair_latents_refuse_another_size_and_the_same_picture_and_encode_once(t
     assert out.shape == (4, 3) and torch.allclose(out[0], torch.full((3,), 10 / 255)) and calls == [2]
     latents(rows)
     assert calls == [2]  # encoded once
-    for other, match in ((big, "big.png is 32 x 32 .* the run's images are 16 x 16"), (same, "the same picture")):
+    for other, match in ((big, r"big.png is 32 x 32 \(height x width\), the run's are 16 x 16"), (same, "the same picture")):
         bad = read_pairs(_write(tmp_path, [{"prompt": "p", "chosen": a, "rejected": other}]), "k")
         with pytest.raises(ConfigError, match=match):
             PairLatents(encode, (16, 16), "flowgrpo.dpo.pairs")(bad)
@@ -162,10 +162,10 @@ def test_offline_dpo_raises_the_held_out_margin_against_an_lr_0_control(tmp_path
     "sets, match",
     [
         ({}, "model.pipeline is empty"),
-        ({"model.pipeline": "p", "model.kind": "wan"}, "model.kind=wan: offline pairs are read as images"),
+        ({"model.pipeline": "p", "model.kind": "zimage"}, "model.kind=zimage: offline pairs are read for qwenimage"),
         ({"model.pipeline": "p", "data.train": "t.jsonl"}, "flowgrpo.dpo.pairs and data.train are both set"),
     ],
-    ids=["no_pipeline", "video_family", "with_data_train"],
+    ids=["no_pipeline", "family_without_pairs", "with_data_train"],
 )
 def test_offline_config_refusals(sets, match):
     from sp_diffusers.flowgrpo.algorithms.registry import algorithm_for
@@ -185,3 +185,96 @@ def test_eval_pairs_need_eval_every():
     apply_overrides(config, ["flowgrpo.algorithm=diffusion_dpo", "lora.enabled=true", "flowgrpo.dpo.eval_pairs=e.jsonl"])
     with pytest.raises(ConfigError, match=r"flowgrpo.dpo.eval_pairs.*train.eval_every=N"):
         validate(config)
+
+
+def _mp4(path: Path, colour: tuple[int, int, int], rng: np.random.Generator, frames: int = 5) -> str:
+    from sp_diffusers.flowgrpo.io.media import save_video
+
+    base = torch.tensor(colour, dtype=torch.float32).view(1, 3, 1, 1) / 255.0
+    save_video((base + 0.1 * torch.from_numpy(rng.normal(size=(frames, 3, 16, 16))).float()).clamp(0, 1), path)
+    return path.name
+
+
+def test_pixel_encoder_encodes_a_video_as_the_wan_pipeline_does(tmp_path):
+    """Wan: ``vae.encode`` of ``[B, 3, F, H, W]``, the posterior's mode, ``(z - latents_mean) / latents_std`` (as
+    the Wan image-to-video pipeline normalises its condition)."""
+    import diffusers
+
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.decode import PixelDecoder, PixelEncoder
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("wan", tmp_path / "wan", num_layers=1)
+    pipe = diffusers.WanPipeline.from_pretrained(folder)
+    adapter = build_adapter(pipe.transformer, 8, pooled_from_encoder=True, frames=3, text_len=16, guidance_scale=3.5)
+    size = PixelDecoder(pipe.vae, adapter, "cpu")(torch.zeros(adapter.latent_shape(1))).shape
+    # [b, F, 3, H, W]: the tiny VAE halves time, so 3 latent frames are 1 + 2 x 2 = 5 pixel frames (diffusers' Wan
+    # encoder takes the first frame, then chunks of 4)
+    assert tuple(size) == (1, 5, 3, 16, 16)
+    pixels = torch.rand(2, 5, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    ours = PixelEncoder(pipe.vae, adapter, "cpu")(pixels)
+    with torch.no_grad():
+        z = pipe.vae.encode((pixels * 2 - 1).permute(0, 2, 1, 3, 4)).latent_dist.mode()
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
+        theirs = (z - mean) / std
+    assert ours.shape == adapter.latent_shape(2)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+def test_video_pairs_are_checked_by_kind_and_frames(tmp_path):
+    rng = np.random.default_rng(0)
+    a, b = _mp4(tmp_path / "a.mp4", (220, 30, 30), rng), _mp4(tmp_path / "b.mp4", (30, 30, 220), rng)
+    short, img = _mp4(tmp_path / "short.mp4", (30, 30, 220), rng, frames=3), _png(tmp_path / "c.png", 10)
+
+    def encode(pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.mean(dim=(1, 3, 4))
+
+    latents = PairLatents(encode, (5, 16, 16), "flowgrpo.dpo.pairs")
+    rows = read_pairs(_write(tmp_path, [{"prompt": "p", "chosen": a, "rejected": b}]), "k")
+    out = latents(rows)
+    assert out.shape == (2, 3) and out[0, 0] > out[0, 2] and out[1, 2] > out[1, 0]  # red, then blue (H.264 kept)
+    for other, match in ((short, r"short.mp4 is 3 x 16 x 16 \(frames x height x width\), the run's are 5 x 16 x 16"),
+                         (img, "c.png is not a video file")):
+        bad = read_pairs(_write(tmp_path, [{"prompt": "p", "chosen": a, "rejected": other}]), "k")
+        with pytest.raises(ConfigError, match=match):
+            PairLatents(encode, (5, 16, 16), "flowgrpo.dpo.pairs")(bad)
+    with pytest.raises(ConfigError, match=r"video 'gone.mp4' \(.*\) does not exist"):
+        read_pairs(_write(tmp_path, [{"prompt": "p", "chosen": a, "rejected": "gone.mp4"}]), "k")
+
+
+def test_offline_video_pairs_train_a_wan_model_at_sp2(tmp_path):
+    """A tiny Wan pipeline trained on MP4 pairs at Ulysses SP 2: the videos encoded through its VAE, two updates, the
+    held-out pairs' margin moved off 0 (the policy left the reference)."""
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    save_tiny_pipeline("wan", data / "pipeline", num_layers=2)
+    for name in ("train", "eval"):
+        rows = [{"prompt": f"a red scene {i}", "chosen": _mp4(data / f"{name}{i}c.mp4", (220, 30, 30), rng),
+                 "rejected": _mp4(data / f"{name}{i}r.mp4", (30, 30, 220), rng)} for i in range(4)]
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "wan_dpo.yaml"
+    config.write_text(
+        f"model: {{kind: wan, pipeline: {data / 'pipeline'}, image_size: 8, frames: 3}}\n"
+        "parallel: {ulysses_sequence_parallel_size: 2}\n"
+        "text: {max_sequence_length: 16}\n"
+        "lora: {enabled: true, rank: 4, alpha: 16}\n"
+        "optim: {lr: 1.0e-2}\n"
+        f"flowgrpo: {{algorithm: diffusion_dpo, dpo: {{beta: 100.0, pairs: {data / 'train.jsonl'}, "
+        f"eval_pairs: {data / 'eval.jsonl'}}}, prompts_per_rank: 2, micro_batch_size: 4}}\n"
+        "train: {iterations: 2, eval_every: 2, save_every: 0, plot: false, progress: false}\n"
+    )
+    out = tmp_path / "run"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "train"]
+    cmd += ["--config", str(config), "--out-dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["pairs"] for m in lines] == [2.0, 2.0] and lines[0]["implicit_reward_margin"] == 0.0
+    assert all(np.isfinite(m["loss"]) for m in lines)
+    assert lines[-1]["eval_pairs/implicit_reward_margin"] != 0.0

@@ -525,10 +525,19 @@ class FlowGRPOTrainer:
                 "flowgrpo.dpo.pairs / eval_pairs: the images are encoded through model.pipeline's VAE, and this run "
                 "has none; fix: model.pipeline=<the diffusers pipeline folder of this model>"
             )
-        size = tuple(self.decoder(torch.zeros(self.adapter.latent_shape(1))).shape[-2:])
+        # what one sample decodes to: [1, 3, H, W], or [1, F, 3, H, W] for video
+        decoded = self.decoder(torch.zeros(self.adapter.latent_shape(1))).shape[1:]
+        size = tuple(int(n) for n in (*decoded[:-3], *decoded[-2:]))  # (H, W) or (F, H, W)
         encoder = PixelEncoder(vae, self.adapter, self.engine.device, self.config.flowgrpo.micro_batch_size)
         key = "flowgrpo.dpo.pairs" if self.config.flowgrpo.dpo.pairs else "flowgrpo.dpo.eval_pairs"
-        return PairLatents(encoder, (int(size[0]), int(size[1])), key)
+        encoded = tuple(encoder(torch.zeros(1, *decoded)).shape)
+        if encoded != tuple(self.adapter.latent_shape(1)):  # e.g. a video VAE whose encoder chunks time otherwise
+            raise ConfigError(
+                f"{key}: model.pipeline's VAE decodes the run's latents {tuple(self.adapter.latent_shape(1))} to "
+                f"{tuple(decoded)} pixels but encodes those to {encoded}; fix: a latent size whose round trip holds "
+                "(model.frames: Wan's VAE encodes 1 + 4k frames)"
+            )
+        return PairLatents(encoder, size, key)
 
     # ----------------------------------------------------------------------------- where the weights live
 

@@ -38,17 +38,17 @@ from .base import Algorithm, Inputs, StepInputs, Targets
 
 __all__ = ["DiffusionDPO", "check_pair_family", "dpo_loss", "logit_normal_index", "online_pairs"]
 
-IMAGE_KINDS = ("qwenimage", "flux", "sd3")  # the families whose offline pairs are images
+PAIR_KINDS = ("qwenimage", "flux", "sd3", "wan")  # the families whose offline pairs are read (wan: videos)
 LOGIT_MEAN, LOGIT_STD = 0.0, 1.0  # the reference's logit-normal timestep density (fixed there too)
 
 
 def check_pair_family(config: TrainConfig) -> None:
-    """Offline pairs are images: refuse them for another family (``model.kind`` settled)."""
+    """Offline pairs are images or videos of a family whose VAE the trainer encodes with (``model.kind`` settled)."""
     g = config.flowgrpo
-    if (g.dpo.pairs or g.dpo.eval_pairs) and config.model.kind not in IMAGE_KINDS:
+    if (g.dpo.pairs or g.dpo.eval_pairs) and config.model.kind not in PAIR_KINDS:
         raise ConfigError(
-            f"flowgrpo.dpo.pairs with model.kind={config.model.kind}: offline pairs are read as images (of "
-            f"{', '.join(IMAGE_KINDS)}), not yet as videos; fix: online Diffusion-DPO (flowgrpo.dpo.pairs empty)"
+            f"flowgrpo.dpo.pairs with model.kind={config.model.kind}: offline pairs are read for "
+            f"{', '.join(PAIR_KINDS)}; fix: online Diffusion-DPO (flowgrpo.dpo.pairs empty)"
         )
 
 

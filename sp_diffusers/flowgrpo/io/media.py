@@ -1,6 +1,6 @@
 """Writing what a model makes: images as PNG (one, or a grid), videos as MP4 (H.264 through diffusers'
 ``export_to_video``: imageio and imageio-ffmpeg, which ships its own ffmpeg, both in the ``[train]`` extra), or as
-GIF where no video writer is installed.
+GIF where no video writer is installed; and reading a video back (:func:`read_video`: preference pairs of videos).
 
 Pixels are float tensors in [0, 1]: ``[3, H, W]`` / ``[n, 3, H, W]`` for images, ``[F, 3, H, W]`` / ``[n, F, 3, H, W]``
 for videos; several are tiled into one grid (a video grid tiles every frame).
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["grid", "has_video_writer", "save_image", "save_pixels", "save_video"]
+__all__ = ["VIDEO_SUFFIXES", "grid", "has_video_writer", "read_video", "save_image", "save_pixels", "save_video"]
+
+VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi")  # read through imageio-ffmpeg
 
 
 def grid(pixels: torch.Tensor, columns: int | None = None) -> torch.Tensor:
@@ -81,3 +83,16 @@ def save_pixels(pixels: torch.Tensor, stem: str | Path, fps: int = 8) -> Path:
     if pixels.ndim == 5:
         return save_video(pixels, stem.with_suffix(".mp4"), fps)
     return save_image(pixels, stem.with_suffix(".png"))
+
+
+def read_video(path: str | Path) -> torch.Tensor:
+    """A video file's frames, ``[F, 3, H, W]`` uint8 RGB (imageio's ffmpeg reader)."""
+    import imageio.v2 as imageio
+    import numpy as np
+
+    reader = imageio.get_reader(str(path), "ffmpeg")
+    try:
+        frames = np.stack([np.asarray(f)[..., :3] for f in reader])
+    finally:
+        reader.close()
+    return torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
