@@ -2,7 +2,8 @@
 I2V-A14B, Wan2.2 TI2V-5B): their tokens count the condition (an edit's condition image joins the sequence), their
 released configs build, each traces one engine step through its plan at world size 8 with its condition's inputs
 (condition tokens, first-frame channels and 257 CLIP tokens, per-token timesteps), and ``sp-diffusers plan --model
-qwen-image-edit ...`` answers as for the others."""
+qwen-image-edit ...`` answers as for the others, ``--rl`` included (the iteration fed the condition the trainer's
+conditioned adapters build)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,48 @@ def test_plan_answers_for_qwen_image_edit(capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["recommended"] is not None and "8,192 tokens" in json.dumps(out)
+
+
+@pytest.mark.parametrize("model", COND)
+def test_the_rl_iteration_feeds_each_condition_as_the_trainer_does(model):
+    """``plan --rl``'s inputs come from the trainer's own conditioned adapters (edit: the condition image's packed
+    tokens after the noisy ones; I2V: the first-frame channels and CLIP tokens; TI2V: per-token timesteps), and a
+    tiny model of the family runs them, returning the noisy tokens' shape."""
+    import torch
+
+    from sp_diffusers.planner.iteration import iteration_inputs
+    from sp_diffusers.tiny import tiny_model
+    from sp_diffusers.tiny.specs import tiny_model_config
+
+    spec = resolve_model(model)
+    config = dict(tiny_model_config(spec.kind, num_layers=1))
+    if spec.kind == "wan":  # the released config's channels and image branch, at tiny width
+        config.update(in_channels=spec.config["in_channels"], out_channels=spec.config.get("out_channels", 16))
+        if spec.config.get("image_dim"):
+            config.update(image_dim=32, added_kv_proj_dim=64)
+    tiny = tiny_model(spec.kind, **config)
+    work = workload_from_tokens(spec, 64, text_len=512 if spec.kind == "wan" else 8)
+    kwargs = iteration_inputs(spec, tiny, work)(2, torch.tensor(500.0))
+    out = tiny(**kwargs, return_dict=False)[0]
+    if spec.condition == "edit":
+        assert kwargs["hidden_states"].shape[1] == 2 * work.grid[1] * work.grid[2]  # output + condition tokens
+    elif spec.condition == "i2v":
+        assert kwargs["hidden_states"].shape[1] == spec.config["in_channels"]
+        assert ("encoder_hidden_states_image" in kwargs) == bool(spec.config.get("image_dim"))
+    else:
+        assert kwargs["timestep"].dim() == 2  # one per video token
+    assert out.shape[0] == 2 and torch.isfinite(out).all()
+
+
+def test_plan_rl_answers_for_a_conditioned_builtin(capsys):
+    from sp_diffusers.cli import main
+
+    # one small layout (CI time): Wan2.1 I2V, the condition with the most parts (channels and CLIP tokens)
+    argv = ["plan", "--model", "wan2.1-i2v-14b-720p", "--height", "240", "--width", "416", "--frames", "5"]
+    argv += ["--gpus", "8", "--ulysses", "8", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "64"]
+    argv += ["--batch", "1", "--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None
+    assert any("first frame" in note for note in out["notes"])

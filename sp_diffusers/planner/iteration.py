@@ -157,20 +157,19 @@ def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool, update_he
 def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> Any:
     """``inputs(batch, timestep) -> forward kwargs`` as the trainer makes them (``flowgrpo.models`` adapters: the
     one source of how each family is called), text of ``work.text_len`` tokens, masked where the family takes a
-    mask. Families the trainer has no adapter for are refused."""
+    mask; an image-conditioned built-in's condition too (:func:`_conditioned`). Families the trainer has no adapter
+    for are refused."""
     from ..flowgrpo.models.adapters import build_adapter
 
     f = spec.family
     t, h, w = work.grid
-    if spec.condition:
-        raise PlanError(
-            f"--rl: {spec.name} is image-conditioned ({spec.condition}); the RL iteration plan does not feed a "
-            "condition yet; fix: plan its train step without --rl"
-        )
     try:
         adapter = build_adapter(model, h * f.patch, True, t * f.patch_t, work.text_len, 3.5, w * f.patch)
     except ValueError as err:
         raise PlanError(f"--rl: {spec.name}: {err}") from None
+    condition_of = None
+    if spec.condition:
+        adapter, condition_of = _conditioned(spec, model, adapter)
     config = model.config
     width = next((config[k] for k in _TEXT_DIM_KEYS if k in config), None)
     pooled = config.get("pooled_projection_dim")
@@ -181,9 +180,49 @@ def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) ->
         embeds = torch.randn(batch, work.text_len, width).to(dtype)
         mask = torch.ones(batch, work.text_len, dtype=torch.bool)
         extra = torch.randn(batch, pooled).to(dtype) if pooled and f.kind in ("sd3", "flux") else None
-        return adapter.inputs(latents, timestep, embeds, mask, extra)
+        if condition_of is None:
+            return adapter.inputs(latents, timestep, embeds, mask, extra)
+        return adapter.inputs(latents, timestep, embeds, mask, extra, condition=condition_of(batch, dtype))
 
     return inputs
+
+
+CLIP_IMAGE_TOKENS = 257  # Wan2.1 I2V's image tokens: CLIP ViT-H/14 at 224 px, 256 patches + the class token
+
+
+def _conditioned(spec: ModelSpec, model: torch.nn.Module, base: Any) -> tuple[Any, Any]:
+    """The trainer's conditioned adapter over ``base`` for an image-conditioned built-in, and ``condition(batch,
+    dtype)``: random ``condition_*`` tensors of the shapes its pipeline gives (an edit's condition image at the
+    output's size, as ``shapes.py`` counts it; Wan's first-frame latents and mask, Wan2.1's CLIP tokens)."""
+    from ..flowgrpo.models.edit import FluxKontextAdapter, QwenImageEditAdapter
+    from ..flowgrpo.models.i2v import WanI2VAdapter
+
+    fields = {k: getattr(base, k) for k in base.__dataclass_fields__}
+    if spec.condition == "edit":
+        grid = (base.grid_h, base.grid_w)
+        if spec.family.kind == "flux":
+            adapter: Any = FluxKontextAdapter(**fields, condition_grid=grid)
+        else:
+            adapter = QwenImageEditAdapter(**fields, condition_grids=(grid,))
+
+        def edit(batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+            return {"condition_latents": torch.randn(batch, grid[0] * grid[1], base.channels).to(dtype)}
+
+        return adapter, edit
+    config = model.config
+    fields["channels"] = config["out_channels"]  # the noisy latents; the input adds the condition's channels
+    image_embeds = config.get("image_dim") is not None
+    adapter = WanI2VAdapter(**fields, expand_timesteps=spec.condition == "ti2v", image_embeds=image_embeds)
+    extra = config["in_channels"] - config["out_channels"]  # i2v: mask + first-frame latents; ti2v: none
+
+    def i2v(batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        shape = (batch, extra or adapter.channels, adapter.frames, adapter.height, adapter.width)
+        out = {"condition_latents": torch.randn(shape).to(dtype)}
+        if image_embeds:
+            out["condition_image_embeds"] = torch.randn(batch, CLIP_IMAGE_TOKENS, config["image_dim"]).to(dtype)
+        return out
+
+    return adapter, i2v
 
 
 def _rollout_pair(engine: Any, inputs: Any, batch: int, held: bool, ledger: Any) -> tuple[Ledger, Ledger]:
