@@ -343,7 +343,7 @@ class FlowGRPOTrainer:
         ctx = StepContext(self.adapter, self.schedule, self.rule, self.config)
         sums: dict[str, Any] = {}
         share = 1.0 / (EVAL_PAIR_DRAWS * len(batch))
-        with torch.no_grad(), self.engine.eval_mode(), self.engine.ema_weights():
+        with torch.no_grad(), self.engine.eval_mode(), self.engine.ema_weights(), comm_phase("eval"):
             for draw in range(EVAL_PAIR_DRAWS):  # each pair at several (noise, sigma): one draw is a noisy measure
                 for micro in torch.arange(len(batch)).split(g.micro_batch_size):
                     idx = to_device(micro, batch.latents.device)

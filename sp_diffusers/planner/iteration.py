@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .models import ModelSpec, PlanError
-from .shapes import Workload
+from .shapes import CLIP_IMAGE_TOKENS, Workload
 
 __all__ = [
     "Ledger",
@@ -185,9 +185,6 @@ def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) ->
         return adapter.inputs(latents, timestep, embeds, mask, extra, condition=condition_of(batch, dtype))
 
     return inputs
-
-
-CLIP_IMAGE_TOKENS = 257  # Wan2.1 I2V's image tokens: CLIP ViT-H/14 at 224 px, 256 patches + the class token
 
 
 def _conditioned(spec: ModelSpec, model: torch.nn.Module, base: Any) -> tuple[Any, Any]:

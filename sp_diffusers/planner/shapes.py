@@ -14,6 +14,7 @@ from .models import ModelSpec, PlanError
 
 __all__ = ["Workload", "build_inputs", "workload_from_pixels", "workload_from_tokens"]
 
+CLIP_IMAGE_TOKENS = 257  # Wan2.1 I2V's image tokens: CLIP ViT-H/14 at 224 px, 256 patches + the class token
 
 @dataclass(frozen=True)
 class Workload:
@@ -127,7 +128,7 @@ def build_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> dic
     elif spec.condition == "ti2v":
         options["first_frame_timestep"] = True
     elif spec.condition == "i2v" and model.config.get("image_dim"):
-        options["clip_tokens"] = 257  # CLIP ViT-H/14 at 224 px: 256 patches + the class token
+        options["clip_tokens"] = CLIP_IMAGE_TOKENS
     inputs = tiny_inputs(
         f.kind,
         model,

@@ -4,10 +4,10 @@ for the image families, video files (``.mp4``, ``.webm``, ...: ``media.VIDEO_SUF
 
 Rows are read and checked when the run starts (:func:`read_pairs`: every rank reads the file, so every rank refuses a
 bad row alike, naming it); the images are decoded and encoded through the pipeline's VAE the first time a batch
-needs them and kept on the host (:class:`PairLatents`), where a row whose image has another size than the run's, or
-whose two images are the same picture (a video: its frame count, size and frames), is refused by line. A row is a :class:`~.data.PromptRow` whose metadata holds
-the two resolved paths, so the run visits the pairs as it visits prompts (``data.PromptStream``: shuffled per epoch,
-resumed at its position).
+needs them and kept on the host (:class:`PairLatents`), where a row whose image (video: frame count too) has another
+size than the run's, or whose two sides are the same picture, is refused by line. A row is a
+:class:`~.data.PromptRow` whose metadata holds the two resolved paths, so the run visits the pairs as it visits
+prompts (``data.PromptStream``: shuffled per epoch, resumed at its position).
 """
 
 from __future__ import annotations
