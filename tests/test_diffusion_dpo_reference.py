@@ -216,7 +216,6 @@ def test_micro_batches_keep_pairs_whole_and_singles_unchanged():
         ("flowgrpo.mini_batches", 3, "mini_batches <= prompts_per_rank"),
         ("flowgrpo.dpo.beta", 0.0, "flowgrpo.dpo.beta=0.0"),
         ("flowgrpo.dpo.beta", float("nan"), "flowgrpo.dpo.beta=nan"),
-        ("lora.enabled", False, "lora.enabled=true"),
     ],
 )
 def test_dpo_config_refusals(key, value, match):

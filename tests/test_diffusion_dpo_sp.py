@@ -2,8 +2,8 @@
 
 The rollout (Euler, 6 steps, the trained policy) within ``1e-4`` of one process, as tests/test_engine.py holds
 Flow-GRPO's (fp32 attention over reordered blocks, through six steps), and the same pairs. Then one update on fixed
-pairs (LoRA with random A and B, so the policy is not the reference and every margin differs from 0, at verl-omni's
-online recipe beta 100): the loss, every gradient and every parameter after the step equal the one-process run at
+pairs (LoRA with random A and B, so the policy is not the reference and every margin differs from 0; and full
+fine-tuning against the frozen copy of the initial weights; at verl-omni's online recipe beta 100): the loss, every gradient and every parameter after the step equal the one-process run at
 Ulysses 2 and Ulysses 2 x Ring 2, within bounds derived from how the loss conditions fp32 rounding:
 
 - The loss is ``-log sigmoid(inside)``, ``inside = beta / 2 x`` differences of four mean squared errors of size
@@ -48,15 +48,17 @@ def _step_tol(p_ref: torch.Tensor, g_ref: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _run(world: int, sp: int, ring: int):
-    return run_distributed("tests.workers.dpo_steps:dpo_step", world, sp, ring)
+def _run(world: int, sp: int, ring: int, lora: bool):
+    return run_distributed("tests.workers.dpo_steps:dpo_step", world, sp, ring, lora)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_diffusion_dpo_update_matches_one_process(layout):
+@pytest.mark.parametrize(
+    "layout, lora", [("sp2", True), ("ring2_ulysses2", True), ("sp2", False)], ids=["sp2", "ring2_ulysses2", "sp2-full"]
+)
+def test_diffusion_dpo_update_matches_one_process(layout, lora):
     world, sp, ring = LAYOUTS[layout]
-    ref = _run(1, 1, 1)[0]
-    results = _run(world, sp, ring)
+    ref = _run(1, 1, 1, lora)[0]
+    results = _run(world, sp, ring, lora)
     root = Path(__file__).resolve().parents[1]
     assert all(Path(r["package"]).is_relative_to(root) for r in results), "ranks import another checkout"
     got = results[0]
@@ -73,7 +75,12 @@ def test_diffusion_dpo_update_matches_one_process(layout):
         assert r["loss"] == results[0]["loss"]
         assert abs(r["loss"] - ref["loss"]) <= loss_tol, (r["loss"], ref["loss"], loss_tol)
     assert got["metrics"]["trained_samples"] == 8.0
-    assert abs(got["metrics"]["implicit_reward_margin"]) > 1e-3  # the policy is not the reference: a real loss
+    if lora:
+        assert abs(got["metrics"]["implicit_reward_margin"]) > 1e-3  # the policy is not the reference: a real loss
+    else:  # full fine-tuning: the frozen copy is the reference, equal to the policy at the first step, and stays
+        # the initial weights after the step and another attach (what a checkpoint load calls)
+        assert abs(got["metrics"]["implicit_reward_margin"]) <= loss_tol and abs(got["loss"] - 0.6931472) <= loss_tol
+        assert got["reference_moved"] == 0.0 and ref["reference_moved"] == 0.0
     nonzero = 0
     for name, g_ref in ref["grads"].items():
         err = (got["grads"][name] - g_ref).abs()

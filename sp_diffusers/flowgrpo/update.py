@@ -76,8 +76,8 @@ def evaluate_trained_step(
                 v_old = v_of(algorithm.rollout_engine(engine))
         v = v_of(engine)
         if wants.reference:
-            with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
-                v_ref = v_of(engine)
+            with torch.no_grad(), algorithm.reference_policy(engine) as reference, comm_phase("reference"):
+                v_ref = v_of(reference)
         return StepInputs(steps, x0=x0, x_t=x_t, t=t, noise=noise, v=v, v_old=v_old, v_ref=v_ref)
     steps, latents, next_latents = traj.step_latents(idx, k)
     sampler = ctx.sampler(engine)
@@ -86,8 +86,8 @@ def evaluate_trained_step(
     sigmas = ctx.schedule.on(steps.device).sigmas.to(step.std_dev_t.dtype)
     ref = None
     if wants.reference:
-        with torch.no_grad(), engine.adapters_disabled(), comm_phase("reference"):
-            ref = evaluate_step(sampler, latents, next_latents, steps, cond, ctx.rule).prev_sample_mean
+        with torch.no_grad(), algorithm.reference_policy(engine) as reference, comm_phase("reference"):
+            ref = evaluate_step(ctx.sampler(reference), latents, next_latents, steps, cond, ctx.rule).prev_sample_mean
     return StepInputs(
         steps,
         log_prob=step.log_prob,

@@ -27,6 +27,8 @@ test holds its formulas to the reference code's in fp64.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -177,6 +179,13 @@ class Algorithm:
     def rollout_engine(self, engine: Any) -> Any:
         """The engine whose policy samples the rollout (the trained one: on-policy)."""
         return engine
+
+    @contextlib.contextmanager
+    def reference_policy(self, engine: Any) -> Iterator[Any]:
+        """The engine to run as the reference policy inside (a KL term, Diffusion-DPO's errors): the trained model
+        with its LoRA adapters off."""
+        with engine.adapters_disabled():
+            yield engine
 
     # -------------------------------------------------------------------------------------- advantages
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@ whole pairs (``pair_units``), so a micro-batch holds both halves of each of its 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from ..config import ConfigError, TrainConfig
 from ..sampling.denoise import Span
 from ..sampling.trajectory import Trajectory
 from .base import Algorithm, Inputs, StepInputs, Targets
+from .old_policy import OldPolicy
 
 __all__ = ["DiffusionDPO", "check_pair_family", "dpo_loss", "logit_normal_index", "online_pairs"]
 
@@ -149,6 +152,10 @@ class DiffusionDPO(Algorithm):
         "recompute_old_log_probs",
     )
 
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__(config)
+        self.frozen: OldPolicy | None = None  # full fine-tuning: the initial weights, kept as the reference
+
     @classmethod
     def ignored(cls, config: TrainConfig) -> tuple[str, ...]:
         # offline: no rollout, so no prompt groups
@@ -191,11 +198,28 @@ class DiffusionDPO(Algorithm):
                 f"flowgrpo.mini_batches={g.mini_batches} > flowgrpo.prompts_per_rank={g.prompts_per_rank}: each "
                 "prompt gives one pair, and each optimizer step needs one; fix: mini_batches <= prompts_per_rank"
             )
-        if not config.lora.enabled:
+
+    # ---------------------------------------------------------------------------------------- lifecycle
+    def attach(self, engine: Any) -> None:
+        """Full fine-tuning: copy the weights the run starts from into a frozen twin, the reference, once (the first
+        call: the trainer attaches before it loads a checkpoint, so a resumed run keeps the base model as its
+        reference too). With LoRA the reference is the trained model with its adapters off: nothing kept."""
+        if engine.lora is not None or self.frozen is not None:
+            return
+        if engine.num_experts > 1:
             raise ConfigError(
-                "flowgrpo.algorithm=diffusion_dpo compares the policy with a frozen reference, the base model with "
-                "the adapters off; fix: lora.enabled=true"
+                "flowgrpo.algorithm=diffusion_dpo with full fine-tuning keeps a frozen reference of one model, and "
+                "this model has two experts; fix: lora.enabled=true (the reference is the adapters-off model)"
             )
+        self.frozen = OldPolicy(engine)
+
+    @contextlib.contextmanager
+    def reference_policy(self, engine: Any) -> Iterator[Any]:
+        if self.frozen is None:
+            with super().reference_policy(engine) as reference:
+                yield reference
+        else:
+            yield self.frozen.engine
 
     # ------------------------------------------------------------------------------------------ batch
     def plan(self, batch: IterationBatch, gen: torch.Generator, iteration: int, shared: torch.Generator) -> None:
