@@ -174,7 +174,8 @@ class DPOConfig:
     """``flowgrpo.dpo``: Diffusion-DPO's keys (arXiv 2311.12908; algorithms/diffusion_dpo.py), verl-omni's defaults."""
 
     beta: float = 2000.0  # the inverse temperature of the pairwise loss (verl-omni's online Qwen-Image recipe: 100)
-    # offline: a .jsonl of {"prompt", "chosen", "rejected"} image rows trained instead of rollouts ("": online)
+    # offline: a .jsonl of {"prompt", "chosen", "rejected"} rows (images; videos for Wan) trained instead of rollouts
+    # ("": online)
     pairs: str = ""
     # held-out pairs (the same format): their implicit reward margin and accuracy every train.eval_every iterations
     eval_pairs: str = ""
