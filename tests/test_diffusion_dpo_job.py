@@ -10,35 +10,24 @@ chosen samples better than the reference does, relative to the rejected ones).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._jobs import train_job
+
 CONFIG = "examples/configs/tiny_diffusion_dpo_sp2.yaml"
 
 
 def _rise(tmp_path: Path, lr: float) -> tuple[float, list[dict]]:
-    out = tmp_path / f"run-{lr}"
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "train"]
-    cmd += ["--config", CONFIG, "--iterations", "12", "--out-dir", str(out)]
-    for key, value in {
+    sets = {
         "flowgrpo.num_steps": 6,
         "optim.lr": lr,
         "prompts": '["a red cat", "a red house", "a red teapot"]',
         "train.save_every": 0,
         "train.plot": "false",
         "train.progress": "false",
-    }.items():
-        cmd += ["--set", f"{key}={value}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert "algorithm: diffusion_dpo" in proc.stdout
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    }
+    stdout, lines = train_job(CONFIG, tmp_path / f"run-{lr}", sets, iterations=12)
+    assert "algorithm: diffusion_dpo" in stdout
     rewards = [m["reward_mean"] for m in lines]
     return sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3, lines
 

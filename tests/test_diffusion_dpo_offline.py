@@ -12,7 +12,6 @@ rising margin ending above 3.6 (half the smallest) with accuracy above 0.7, and 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,8 @@ from PIL import Image
 from sp_diffusers.flowgrpo.config import ConfigError
 from sp_diffusers.flowgrpo.io.preferences import PairLatents, read_pairs
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._jobs import ROOT, train_job
+
 CONFIG = "examples/configs/tiny_diffusion_dpo_offline_sp2.yaml"
 
 
@@ -122,11 +122,7 @@ def test_pixel_encoder_encodes_as_the_pipeline_does(tmp_path, family):
 
 
 def _train(tmp_path: Path, data: Path, lr: float) -> list[dict]:
-    out = tmp_path / f"run-{lr}"
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "train"]
-    cmd += ["--config", CONFIG, "--iterations", "12", "--out-dir", str(out)]
-    for key, value in {
+    sets = {
         "model.pipeline": data / "pipeline",
         "flowgrpo.dpo.pairs": data / "train.jsonl",
         "flowgrpo.dpo.eval_pairs": data / "eval.jsonl",
@@ -134,13 +130,10 @@ def _train(tmp_path: Path, data: Path, lr: float) -> list[dict]:
         "train.save_every": 0,
         "train.plot": "false",
         "train.progress": "false",
-    }.items():
-        cmd += ["--set", f"{key}={value}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert "margin (mean of 5 iterations)" in proc.stdout
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    }
+    stdout, lines = train_job(CONFIG, tmp_path / f"run-{lr}", sets, iterations=12)
+    assert "margin (mean of 5 iterations)" in stdout
+    return lines
 
 
 def test_offline_dpo_raises_the_held_out_margin_against_an_lr_0_control(tmp_path):
@@ -267,14 +260,7 @@ def test_offline_video_pairs_train_a_wan_model_at_sp2(tmp_path):
         f"eval_pairs: {data / 'eval.jsonl'}}}, prompts_per_rank: 2, micro_batch_size: 4}}\n"
         "train: {iterations: 2, eval_every: 2, save_every: 0, plot: false, progress: false}\n"
     )
-    out = tmp_path / "run"
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "sp_diffusers.cli", "train"]
-    cmd += ["--config", str(config), "--out-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    _, lines = train_job(config, tmp_path / "run", {})
     assert [m["pairs"] for m in lines] == [2.0, 2.0] and lines[0]["implicit_reward_margin"] == 0.0
     assert all(np.isfinite(m["loss"]) for m in lines)
     assert lines[-1]["eval_pairs/implicit_reward_margin"] != 0.0
