@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import importlib
 import os
 import pickle
@@ -113,6 +114,9 @@ def _starting_from(sys_path: Sequence[str]):
 def _child(
     rank: int, world: int, init_file: str, target: str, args: tuple, sys_path: Sequence[str], env: dict, q
 ) -> None:
+    # a native crash (SIGSEGV, abort) writes every thread's Python stack here; the parent reports it
+    crash_log = open(_crash_log(init_file, rank), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(crash_log, all_threads=True)
     for p in reversed(sys_path):
         sys.path.insert(0, p)
     # a forked rank has the fork server's environment: take the starting test's, as a spawned rank would
@@ -153,6 +157,20 @@ def _child(
                 dist.destroy_process_group()
         except Exception:
             pass
+
+
+def _crash_log(init_file: str, rank: int) -> str:
+    return f"{init_file}.rank{rank}.crash"
+
+
+def _crash_report(init_file: str, ranks: Sequence[int]) -> str:
+    """The Python stacks that dead ranks' fault handlers wrote (empty where a rank wrote none)."""
+    parts = []
+    for r in ranks:
+        with contextlib.suppress(OSError), open(_crash_log(init_file, r)) as f:
+            if text := f.read().strip():
+                parts.append(f"--- rank {r} fault handler:\n{text}")
+    return "\n".join(parts)
 
 
 def run_distributed(
@@ -201,7 +219,7 @@ def run_distributed(
                     if missing:
                         raise DistributedFailure(
                             f"rank(s) {missing} of {target} died (exit codes "
-                            f"{[procs[i].exitcode for i in missing]})"
+                            f"{[procs[i].exitcode for i in missing]})\n{_crash_report(init_file, missing)}"
                         ) from None
                     continue
                 (results if status == "ok" else errors)[rank] = (

@@ -87,7 +87,9 @@ def test_weighted_total_metadata_and_failures(monkeypatch, tmp_path):
     ]
     rs = RewardSet(reward_specs(entries, "color"), lambda x: x)
     prompts, meta = ["a", "bb", "ccc", "dddd"], [{"v": float(i)} for i in range(4)]
-    total, parts = rs(_tokens(), prompts, meta)
+    scores = rs(_tokens(), prompts, meta)
+    total, parts = scores.total, scores.each
+    assert scores.features is None  # no algorithm asked for features
     torch.testing.assert_close(parts["first"], torch.tensor([0.0, 2.0, 4.0, 6.0]))
     torch.testing.assert_close(parts["len"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
     torch.testing.assert_close(total, 0.5 * parts["first"] - parts["len"])
@@ -191,6 +193,9 @@ def test_scoring_is_split_over_the_sp_group_and_failures_reach_every_rank(tmp_pa
         assert "on rank 1, reward 'rank1_fails'" in r["error"] and "raised ValueError: no model on this rank" in r["error"]
     # 5 samples over 2 SP ranks: rank 0 scores 3, rank 1 scores 2 (tensor_split), each once
     assert [r["calls"] for r in results] == [[3], [2]]
+    for r in results:  # the features ride with the scores: every rank has every sample's, exactly (float64 copies)
+        assert torch.equal(r["features"], r["expected_features"])
+        torch.testing.assert_close(r["features_total"], 2 * expected)  # the view doubles what the reward reads
 
 
 def test_the_clip_reward_s_old_import_path_still_loads_it_with_a_warning():
@@ -202,3 +207,32 @@ def test_the_clip_reward_s_old_import_path_still_loads_it_with_a_warning():
 
     with pytest.warns(UserWarning, match=r"is now sp_diffusers\.flowgrpo\.rewards\.clip; fix: name that module"):
         assert load_callable("sp_diffusers.flowgrpo.clip_reward:clip_score") is clip_score
+
+
+def test_image_features_come_from_a_dino_folder_beside_the_rewards(tmp_path):
+    """GARDO's features: a tiny DINOv2 folder (sp_diffusers.tiny.save_tiny_dino) reads the pixels the rewards read;
+    ``features=False`` (evaluation) leaves them out; a folder without a model is one line naming the key."""
+    import pytest
+
+    from sp_diffusers.flowgrpo.config import ConfigError
+    from sp_diffusers.flowgrpo.rewards.features import ImageFeatures, features_for
+    from sp_diffusers.tiny import save_tiny_dino
+
+    folder = save_tiny_dino(tmp_path / "dino")
+    features = features_for(str(folder), "cpu")
+    assert isinstance(features, ImageFeatures) and features.size == 32
+    images = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    decode = lambda latents: images[: latents.shape[0]]  # noqa: E731  (a stand-in VAE: the latents' pixels)
+    rs = RewardSet(reward_specs([], "color"), lambda x: x, decode=decode, features=features)
+    scores = rs(_tokens(), ["a red cat"] * 4)
+    assert scores.features.shape == (4, 32) and scores.features.dtype == torch.float64
+    torch.testing.assert_close(scores.features, features(images))
+    # a different picture, a different feature: the model reads the pixels
+    assert not torch.allclose(scores.features[0], scores.features[1])
+    assert rs(_tokens(), ["a red cat"] * 4, features=False).features is None
+    video = features(images.view(2, 2, 3, 16, 16))  # a video's feature: its frames' mean
+    torch.testing.assert_close(video, features(images).view(2, 2, -1).mean(dim=1))
+    with pytest.raises(FileNotFoundError, match=r"flowgrpo.gardo.features='nowhere' is not a model folder"):
+        features_for("nowhere", "cpu")
+    with pytest.raises(ConfigError, match=r"flowgrpo.gardo.features: an image model reads pixels, but this run has no VAE"):
+        RewardSet(reward_specs([], "color"), lambda x: x, features=features)

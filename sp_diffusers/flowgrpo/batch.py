@@ -44,7 +44,7 @@ class IterationBatch:
     across data-parallel ranks), ``latents`` (the initial noise), ``sde_seed`` (the rollout's SDE noise),
     ``shuffle_seed`` (the update's shuffle), ``source_pixels`` (an image-conditioned family's source images, which
     rewards read) and, once the rewards are in, ``kept`` (the samples the update trains: the zero-advantage
-    filter's choice; None: all)."""
+    filter's choice; None: all) and ``kl_rows`` (``[B]`` bool, the samples a gated KL applies to: GARDO)."""
 
     prompts: list[str]
     cond: dict[str, Any]
@@ -56,6 +56,7 @@ class IterationBatch:
     shuffle_seed: int = 0
     source_pixels: torch.Tensor | None = None
     kept: torch.Tensor | None = None
+    kl_rows: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -29,6 +29,7 @@ __all__ = [
     "DanceConfig",
     "DataConfig",
     "FlowGRPOConfig",
+    "GardoConfig",
     "GuardConfig",
     "LoraConfig",
     "MixConfig",
@@ -182,6 +183,28 @@ class DPOConfig:
 
 
 @dataclass
+class GardoConfig:
+    """``flowgrpo.gardo``: GARDO's keys (algorithms/gardo.py; flow_grpo's ``scripts/train_sd3_gardo.py``), its
+    defaults (``config/grpo_gardo.py``, the SD3 OCR recipe)."""
+
+    # a vision model folder (transformers: DINOv2, DINOv3, any AutoModel with pooled image features) whose features
+    # weigh each above-mean sample's advantage by its distance to its group's nearest other sample; "none": no weight
+    features: str = ""
+    main_reward: str = ""  # the flowgrpo.rewards name the advantages read ("": the weighted total)
+    # the rewards whose ranks the main reward's rank is held against: the KL applies to the samples ranked higher by
+    # the main reward than by these (the reference: aesthetic and imagereward beside ocr); []: the KL applies to none
+    aux_rewards: list = field(default_factory=list)
+    kl_coef: float = 0.04  # the gated KL's coefficient (train.beta: OCR 0.04, GenEval 0.07, FLUX 0.01)
+    kl_fraction: float = 0.1  # the fraction of samples the KL starts on; moved by kl_fraction_rate, within the range
+    kl_fraction_range: list = field(default_factory=lambda: [0.02, 0.2])
+    kl_fraction_rate: float = 0.1  # up (down) by this factor when the uncertainty passes the window's max (min)
+    kl_window: int = 20  # the iterations whose mean uncertainty the current one is compared with
+    reset_kl: float = 3e-4  # the reference is reset to the policy after an iteration whose mean KL passes this
+    reset_every: int = 15  # ... and once more than this many iterations passed since the last reset
+    std_weighting: bool = True  # each sample's policy loss x its step's noise std / the micro-batch's mean std
+
+
+@dataclass
 class MixConfig:
     """``flowgrpo.mix``: MixGRPO's keys (arXiv 2507.21802; Tencent-Hunyuan/MixGRPO, algorithms/mix_grpo.py): a window
     of ``window_size`` SDE steps whose start moves with training (``strategy``), Euler ODE before it, Euler or
@@ -279,6 +302,7 @@ class FlowGRPOConfig:
     mix: MixConfig = field(default_factory=MixConfig)
     dppo: DPPOConfig = field(default_factory=DPPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    gardo: GardoConfig = field(default_factory=GardoConfig)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in FLAT_KEYS:  # an old flat key: the new one, with a warning (for one release)

@@ -41,7 +41,7 @@ from ..parallel.devices import fetch_scalars, to_device
 from ..parallel.launch import init_distributed, record_peers
 from ..parallel.ledger import CommLedger, as_metrics, comm_phase
 from ..parallel.padding import length_bucket
-from .algorithms.base import StepContext, Targets
+from .algorithms.base import RewardTable, StepContext, Targets
 from .algorithms.diffusion_dpo import check_pair_family
 from .algorithms.registry import algorithm_for
 from .batch import IterationBatch
@@ -65,6 +65,7 @@ from .models.experts import ExpertEngines, build_engines, check_expert_steps, ro
 from .models.pipeline_io import load_vae, resolve_pipeline
 from .models.text import DEFAULT_PROMPTS
 from .rewards.builtin import Reward
+from .rewards.features import features_for
 from .rewards.overlap import BackgroundScoring
 from .rewards.scoring import RewardSet, Scorer
 from .sampling.denoise import Sampler, denoise, denoise_in_chunks, evaluate_step
@@ -145,7 +146,9 @@ class FlowGRPOTrainer:
         self.pair_latents = self._pair_latents(vae) if pair_rows or eval_pair_rows else None
         self.eval_pair_rows = eval_pair_rows
         # a callable (latents, prompts) -> [B] given here (or set later: trainer.reward) replaces the configured ones
-        self.scorer = Scorer(RewardSet.from_config(c, self.adapter, self.engine, self.decoder), self.adapter.reward_view, reward)
+        features = features_for(self.algorithm.image_features(), self.engine.device)  # GARDO's diversity features
+        rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder, features)
+        self.scorer = Scorer(rewards, self.adapter.reward_view, reward)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
         if isinstance(self.engine, ExpertEngines):
@@ -226,7 +229,7 @@ class FlowGRPOTrainer:
         traj, advantages, old_log_probs, stats = self.collect(batch)
         with self.clock("update"):
             metrics = self.update(batch, traj, advantages, old_log_probs)
-        metrics.update(self.algorithm.after_update(self.engine))  # e.g. DiffusionNFT's old-policy decay
+        metrics.update(self.algorithm.after_update(self.engine, metrics))  # DiffusionNFT's decay, GARDO's reset
         metrics.update(stats)
         metrics.update(self.algorithm.iteration_metrics(batch.plan))
         if self.stream is not None:
@@ -464,23 +467,29 @@ class FlowGRPOTrainer:
         rank's samples (``[B, T]`` with the per-step ``kl``: flowgrpo.kl_reward), the reward statistics; with the
         zero-advantage filter, ``batch.kept`` (seeded from the batch: SP peers keep the same samples)."""
         g, engine = self.config.flowgrpo, self.engine
-        if scoring is not None:
-            rewards, per_reward = scoring.result()
-        else:
-            rewards, per_reward = self.scorer(traj.final, batch.prompts, batch.metadata, batch.source_pixels)
+        scores = scoring.result() if scoring is not None else self.scorer(
+            traj.final, batch.prompts, batch.metadata, batch.source_pixels
+        )
+        rewards, per_reward = scores.total, scores.each
         # rewards, advantages and their statistics stay on the device (read once, below)
         device = traj.latents.device
         all_groups = engine.gather_dp(to_device(batch.group_ids, device))
         table = engine.gather_dp(to_device(torch.stack([rewards, *per_reward.values()], dim=1), device))  # [B, 1 + R]
         all_rewards = table[:, 0].contiguous()
+        features = engine.gather_dp(to_device(scores.features, device)) if scores.features is not None else None
+        everyone = RewardTable(
+            all_rewards, all_groups, {n: table[:, 1 + j].contiguous() for j, n in enumerate(per_reward)}, features
+        )
+        b = rewards.shape[0]
+        gate = self.algorithm.kl_rows(everyone)  # the samples a gated KL applies to (GARDO)
+        batch.kl_rows = gate[engine.dp_rank * b : (engine.dp_rank + 1) * b] if gate is not None else None
         if kl is None:
-            advantages_all = self.algorithm.advantages(all_rewards, all_groups)
+            advantages_all = self.algorithm.advantages_of(everyone)
             per_sample = advantages_all
         else:  # one advantage per trained step; a sample is left out where every one of its steps' is 0
             all_kl = engine.gather_dp(kl)
             advantages_all = self.algorithm.step_advantages(all_rewards, all_kl, all_groups)
             per_sample = advantages_all.abs().sum(dim=1)
-        b = rewards.shape[0]
         advantages = advantages_all[engine.dp_rank * b : (engine.dp_rank + 1) * b]
         batch.kept = self.algorithm.kept(per_sample, engine.dp_rank, engine.dp_size, batch.shuffle_seed + 1)
         stats = {
@@ -490,6 +499,8 @@ class FlowGRPOTrainer:
         }
         if kl is not None:
             stats["kl_to_reference"] = all_kl.mean()
+        if gate is not None:
+            stats["kl_gated_samples"] = gate.double().mean()
         if len(per_reward) > 1 or (per_reward and g.rewards):
             stats.update({f"reward/{name}": table[:, 1 + j].mean() for j, name in enumerate(per_reward)})
         return advantages, fetch_scalars(stats)
@@ -510,6 +521,7 @@ class FlowGRPOTrainer:
             batch.shuffle_seed,
             batch.kept,
             self._update_holds(),
+            batch.kl_rows,
         )
         if metrics["trained_samples"] == 0:  # every advantage 0 on every rank: no step anywhere
             lr = self.engine.optimizer.param_groups[0]["lr"]
@@ -582,6 +594,8 @@ class FlowGRPOTrainer:
                     f"{latest(self.ckpt_dir)} (trained with {was}) with a fresh optimizer state and LR schedule",
                     flush=True,
                 )
+        if extra.get("algorithm") == self.config.flowgrpo.algorithm:  # not another's (--reset-optimizer)
+            self.algorithm.load_state(extra.get("algorithm_state", {}))
         self.algorithm.attach(self.engine)  # its state follows the loaded weights
         self.start_iteration = int(extra.get("iteration", 0))
         # checkpoints older than data files: the position an unchanged layout reaches
@@ -595,6 +609,7 @@ class FlowGRPOTrainer:
 
     def save(self, iteration: int) -> Path:
         extra = {"iteration": iteration, "data_position": self.data_position(iteration), **run_record(self.config)}
+        extra["algorithm_state"] = self.algorithm.state()
         return self.engine.save_checkpoint(self.ckpt_dir, step=iteration, extra=extra)
 
     def run(self) -> list[dict[str, Any]]:

@@ -111,6 +111,7 @@ def step_loss(
     advantages: torch.Tensor,
     old_log_probs: torch.Tensor,
     normalizer: float,
+    kl_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One trained step's loss and metrics, in the ``loss_fn(engine, batch)`` form ``forward_backward`` takes: the
     step evaluated (:func:`evaluate_trained_step`), the targets the rollout fixed, ``algorithm.loss``."""
@@ -119,6 +120,7 @@ def step_loss(
         advantages[idx, k] if advantages.ndim == 2 else advantages[idx],  # [B, T]: per-step (flowgrpo.kl_reward)
         old_log_probs[idx, k] if wants.old_log_probs else None,
         traj.old_step_means(idx, k) if wants.old_means else None,
+        kl_rows[idx] if kl_rows is not None else None,
     )
     return algorithm.loss(evaluate_trained_step(engine, algorithm, ctx, traj, k, idx, cond), targets, normalizer)
 
@@ -134,11 +136,13 @@ def policy_update(
     shuffle_seed: int,
     indices: torch.Tensor | None = None,
     hold_params: bool = False,
+    kl_rows: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """``g.inner_epochs`` passes over the rollout's samples ``indices`` (default: all) in ``g.mini_batches``
     optimizer steps; metrics averaged over every (micro-batch, trained step), plus the last step's optimizer
     metrics (grad norm, lr). ``old_log_probs`` is ``[B, T]``, aligned with ``traj.steps()``. ``hold_params``: each
-    optimizer step's micro-steps run on parameters gathered once (``update.gather_params``)."""
+    optimizer step's micro-steps run on parameters gathered once (``update.gather_params``). ``kl_rows`` ``[B]``:
+    the samples a gated KL applies to (``Algorithm.kl_rows``)."""
     g = ctx.g
     if indices is None:
         indices = torch.arange(traj.latents.shape[0])
@@ -172,6 +176,7 @@ def policy_update(
                             advantages=advantages,
                             old_log_probs=old_log_probs,
                             normalizer=normalizer,
+                            kl_rows=kl_rows,
                         )
                         # two experts: the one that runs this step (the same on every rank: experts.py)
                         expert = route(engine, traj.host_step(k))

@@ -18,12 +18,14 @@ from .pipelines import (
 )
 from .specs import _KINDS, tiny_inputs, tiny_model, tiny_model_config
 from .text_parts import save_tiny_clip
+from .vision_parts import save_tiny_dino
 
 TINY_MODELS = tuple(_KINDS)
 
 __all__ = [
     "TINY_MODELS",
     "save_tiny_clip",
+    "save_tiny_dino",
     "save_tiny_flux_pipeline",
     "save_tiny_pipeline",
     "save_tiny_qwenimage_pipeline",

@@ -8,12 +8,17 @@ ones.
 - ``tiny_qwen25vl_vision``: ``Qwen2_5_VLForConditionalGeneration`` whose config names those special tokens' ids, so
   its vision tower reads the image the processor put in the prompt.
 - ``tiny_clip_vision``: ``CLIPVisionModel`` (32 x 32 images, 8-pixel patches: 17 tokens) + ``CLIPImageProcessor``.
+- ``save_tiny_dino``: a ``Dinov2Model`` folder (32 x 32 images) with its ``preprocessor_config.json``: GARDO's image
+  features (``flowgrpo.gardo.features``).
 - 8x VAEs: the pipelines resize a condition image to about 1 MP (Qwen-Image-Edit, FLUX.1 Kontext) whatever the
   output size; a 2x VAE would make that 65k condition tokens, an 8x one 4k, as the released VAEs do.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from .text_parts import WORDS, _seeded, qwen25vl
@@ -21,6 +26,7 @@ from .text_parts import WORDS, _seeded, qwen25vl
 __all__ = [
     "QWEN_VL_SPECIAL",
     "save_qwen_vl_processor",
+    "save_tiny_dino",
     "tiny_clip_vision",
     "tiny_qwen25vl_vision",
     "tiny_qwen_vl_processor",
@@ -111,3 +117,30 @@ def tiny_clip_vision(seed: int, hidden: int = 16) -> tuple[Any, Any]:
     return processor, _seeded(seed, lambda: CLIPVisionModel(config)).eval()
 
 
+
+
+def save_tiny_dino(folder: str | os.PathLike, seed: int = 0, hidden: int = 32) -> Path:
+    """Write a tiny random ``Dinov2Model`` (32 x 32 images in 8-pixel patches, ``hidden`` wide) and a
+    ``preprocessor_config.json`` (ImageNet's mean and std) to ``folder``: what a downloaded DINOv2 holds."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    config = Dinov2Config(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    folder = Path(folder)
+    _seeded(seed, lambda: Dinov2Model(config)).eval().save_pretrained(folder)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "crop_size": {"height": 32, "width": 32},
+                "image_mean": [0.485, 0.456, 0.406],
+                "image_std": [0.229, 0.224, 0.225],
+            }
+        )
+    )
+    return folder

@@ -63,7 +63,7 @@ def nft_step(rank: int, world: int, sp: int, ring: int, lora: bool) -> dict:
     engine.optimizer_step = capture_then_step
     metrics = trainer.update(batch, traj, data["advantages"].to(engine.device), torch.zeros(G, 5))
     params = {n: _full(p) for n, p in engine.model.named_parameters() if p.requires_grad}
-    decay = trainer.algorithm.after_update(engine)["old_policy_decay"]
+    decay = trainer.algorithm.after_update(engine, {})["old_policy_decay"]
     after_old = _old_params(trainer)
     return {
         "package": sp_diffusers.__file__,

@@ -10,7 +10,9 @@ An algorithm is one module with one :class:`Algorithm` subclass (``algorithms/re
     rollout      ``span``: which steps are stochastic and how the others step (``sampling.denoise.Span``);
                  ``rollout_engine`` (the policy that samples); ``final_is_prediction`` (the rewards read the last
                  predicted data)
-    advantages   ``advantages`` from every data-parallel rank's rewards and prompt groups; ``kept``: the samples
+    advantages   ``advantages_of`` every data-parallel rank's rewards (:class:`RewardTable`; by default ``advantages``
+                 of their weighted total and prompt groups), ``image_features`` (a vision model whose features of each
+                 sample the table carries: GARDO), ``kl_rows`` (the samples a KL term applies to); ``kept``: the samples
                  the update trains, in its order (the zero-advantage filter; Diffusion-DPO's pairs), and
                  ``pair_units`` (the update's shuffle and micro-batches keep neighbours 2k, 2k + 1 together)
     update       ``inputs``: what the loop evaluates for a trained step (:class:`Inputs`: the stored step's log-prob
@@ -18,7 +20,8 @@ An algorithm is one module with one :class:`Algorithm` subclass (``algorithms/re
                  log-probs and step means; the reference policy); ``loss``: a pure function of the evaluated
                  :class:`StepInputs` and the fixed :class:`Targets`, with its metrics
     lifecycle    ``attach`` (once the engine is built, and after a checkpoint is loaded: state kept beside the
-                 trained model, such as DiffusionNFT's old policy); ``after_update``
+                 trained model, such as DiffusionNFT's old policy); ``after_update`` (with the update's metrics);
+                 ``state`` / ``load_state`` (what a checkpoint keeps of the algorithm's own counters)
 
 The base class is the Flow-GRPO family's shared part: the clipped ratio objective of a stored SDE step, with the
 optional KL to the adapters-off reference. A new algorithm subclasses it and overrides what differs; its reference
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -42,7 +45,7 @@ from .advantages import group_advantages
 from .loss import flowgrpo_loss
 from .selection import kept_samples
 
-__all__ = ["Algorithm", "Inputs", "StepContext", "StepInputs", "Targets"]
+__all__ = ["Algorithm", "Inputs", "RewardTable", "StepContext", "StepInputs", "Targets"]
 
 
 class StepContext:
@@ -101,12 +104,26 @@ class StepInputs:
 
 @dataclass
 class Targets:
-    """What the rollout and the rewards fixed for the same samples: ``advantages [b]``, and as declared by
-    :class:`Inputs` the old log-probs ``[b]`` and the old step means ``[b, ...]``."""
+    """What the rollout and the rewards fixed for the same samples: ``advantages [b]``, as declared by :class:`Inputs`
+    the old log-probs ``[b]`` and the old step means ``[b, ...]``, and ``kl_rows [b]`` (bool: the samples a KL term
+    applies to, where the algorithm gates it: ``Algorithm.kl_rows``)."""
 
     advantages: torch.Tensor
     old_log_prob: torch.Tensor | None = None
     old_prev_sample_mean: torch.Tensor | None = None
+    kl_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RewardTable:
+    """Every data-parallel rank's rollout scored, rank-major: the weighted total ``[N]``, each configured reward by
+    name ``[N]``, each sample's prompt group ``[N]`` and, where the algorithm asks (``Algorithm.image_features``), each
+    sample's features ``[N, D]``."""
+
+    total: torch.Tensor
+    groups: torch.Tensor
+    each: dict[str, torch.Tensor] = field(default_factory=dict)
+    features: torch.Tensor | None = None
 
 
 class Algorithm:
@@ -167,9 +184,17 @@ class Algorithm:
         """Called when the trainer has built ``engine`` and again after it loaded a checkpoint into it: build or
         refresh what the algorithm keeps beside the trained model (the Flow-GRPO family keeps nothing)."""
 
-    def after_update(self, engine: Any) -> dict[str, float]:
-        """Called after an iteration's optimizer steps; its metrics join the iteration's."""
+    def after_update(self, engine: Any, metrics: dict[str, float]) -> dict[str, float]:
+        """Called on every rank after an iteration's optimizer steps with the update's ``metrics`` (this rank's); what
+        it returns joins the iteration's metrics."""
         return {}
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this algorithm's own counters (plain data; the weights it keeps are not)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` from a checkpoint (``{}``: one written without it)."""
 
     # ----------------------------------------------------------------------------------------- rollout
     def span(self, plan: StepPlan, schedule: Any) -> Span:
@@ -188,6 +213,19 @@ class Algorithm:
             yield engine
 
     # -------------------------------------------------------------------------------------- advantages
+    def image_features(self) -> str | None:
+        """The vision model (a folder, or ``latents``: the final latents themselves) whose features of each sample
+        :class:`RewardTable` carries; None: no features (every algorithm but GARDO)."""
+        return None
+
+    def advantages_of(self, table: RewardTable) -> torch.Tensor:
+        """``[N]`` advantages of every data-parallel rank's scored rollout: :meth:`advantages` of the weighted total."""
+        return self.advantages(table.total, table.groups)
+
+    def kl_rows(self, table: RewardTable) -> torch.Tensor | None:
+        """``[N]`` bool: the samples a KL term applies to (None: every sample)."""
+        return None
+
     def advantages(self, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """``[N]`` advantages of every data-parallel rank's rewards (flow_grpo: the batch's population std +
         1e-4, clamped)."""

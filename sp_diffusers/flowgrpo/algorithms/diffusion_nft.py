@@ -185,7 +185,7 @@ class DiffusionNFT(Algorithm):
         else:
             self.old.copy()  # after a checkpoint load: old = theta, as the reference's resume loads one LoRA twice
 
-    def after_update(self, engine: Any) -> dict[str, float]:
+    def after_update(self, engine: Any, metrics: dict[str, float]) -> dict[str, float]:
         decay = old_policy_decay(engine.global_step, self.g.nft.decay)
         self._old().blend(decay)
         return {"old_policy_decay": decay}

@@ -13,6 +13,7 @@ from .diffusion_dpo import DiffusionDPO
 from .diffusion_nft import DiffusionNFT
 from .flow_dppo import FlowDPPO
 from .flow_grpo import FlowGRPO
+from .gardo import GARDO
 from .grpo_guard import GRPOGuard
 from .mix_grpo import MixGRPO
 
@@ -24,7 +25,7 @@ class UnreadKeyWarning(UserWarning):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT, FlowDPPO, DiffusionDPO)
+    cls.name: cls for cls in (FlowGRPO, DanceGRPO, GRPOGuard, MixGRPO, DiffusionNFT, FlowDPPO, DiffusionDPO, GARDO)
 }
 
 

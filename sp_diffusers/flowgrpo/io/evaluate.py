@@ -114,8 +114,9 @@ class Evaluator:
         rows = [self.eval_rows[i] for i in mine]
         with self.engine.ema_weights():  # the moving average where flowgrpo.ema keeps one
             final, sources = self.render(rows, mine)
-        total, parts = self.scorer(final, [r.prompt for r in rows], [r.metadata for r in rows], sources)
-        table = torch.stack([total, *parts.values(), torch.arange(per) < valid], dim=1).float()
+        scores = self.scorer(final, [r.prompt for r in rows], [r.metadata for r in rows], sources, features=False)
+        parts = scores.each
+        table = torch.stack([scores.total, *parts.values(), torch.arange(per) < valid], dim=1).float()
         table = self.engine.gather_dp(table)
         table = table[table[:, -1] > 0.5]
         metrics = {

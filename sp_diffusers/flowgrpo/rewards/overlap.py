@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .scoring import Scorer, Share
+from .scoring import Scorer, Scores, Share
 
 __all__ = ["BackgroundScoring"]
 
@@ -44,7 +44,7 @@ class BackgroundScoring:
     """The chunks of one rollout scored in a background thread, in the order they are submitted.
 
     ``submit(final, prompts, metadata, source_pixels)`` hands a chunk over; ``result()`` waits for every chunk and
-    returns the batch's ``(total [B], {name: [B]})`` as ``Scorer.__call__`` does. Use it as a context manager: the
+    returns the batch's :class:`~.scoring.Scores` as ``Scorer.__call__`` does. Use it as a context manager: the
     thread is stopped on the way out, also when the iteration fails."""
 
     def __init__(self, scorer: Scorer) -> None:
@@ -86,7 +86,7 @@ class BackgroundScoring:
             self.busy_seconds += time.perf_counter() - start
         return share
 
-    def result(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def result(self) -> Scores:
         """Every submitted chunk's scores, gathered over the SP group (collectives: call it on every rank)."""
         start = time.perf_counter()
         shares = [f.result() for f in self._futures]

@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from ...parallel.devices import to_device
 from ...parallel.ledger import comm_kind
+from .features import Features
 from .loading import RewardSpec
 from .remote import RewardServerError
 
-__all__ = ["RewardError", "RewardSet", "Scorer", "Share"]
+__all__ = ["RewardError", "RewardSet", "Scorer", "Scores", "Share"]
 
 
 class RewardError(RuntimeError):
@@ -72,14 +73,25 @@ def _as_scores(out: Any, count: int, spec: RewardSpec) -> tuple[torch.Tensor | N
     return t, None
 
 
+@dataclass(frozen=True)
+class Scores:
+    """A batch scored: the weighted total ``[B]`` (float32), each reward's ``[B]`` by name and, where the run reads
+    them (``RewardSet.features``), each sample's features ``[B, D]`` (float64); identical on SP peers."""
+
+    total: torch.Tensor
+    each: dict[str, torch.Tensor]
+    features: torch.Tensor | None = None
+
+
 class RewardSet:
-    """``specs`` scored together: ``__call__(latents, prompts, metadata) -> (total [B], {name: [B]})`` on CPU.
+    """``specs`` scored together: ``__call__(latents, prompts, metadata) -> Scores`` on CPU.
 
     Args:
         specs: the loaded rewards (``reward_loading.reward_specs``).
         reward_view: the final latents -> what ``input: latents`` rewards read (``adapter.reward_view``).
         decode: the final latents ``[b, ...]`` -> pixels in [0, 1] (``decode.PixelDecoder``); None without a VAE.
         engine: gives the SP group, this rank's place in it and the device collectives use (None: one process).
+        features: each sample's features, computed beside the rewards from the same pixels (``features.py``).
     """
 
     def __init__(
@@ -88,26 +100,34 @@ class RewardSet:
         reward_view: Callable[[torch.Tensor], torch.Tensor],
         decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
         engine: Any = None,
+        features: Features | None = None,
     ) -> None:
         self.specs = list(specs)
-        self.reward_view, self.decode, self.engine = reward_view, decode, engine
+        self.reward_view, self.decode, self.engine, self.features = reward_view, decode, engine, features
         self.wants_pixels = any(s.input == "pixels" for s in self.specs)
+        from ..config import ConfigError
+
         if self.wants_pixels and decode is None:
             names = ", ".join(s.label for s in self.specs if s.input == "pixels")
-            from ..config import ConfigError
-
             raise ConfigError(
                 f"flowgrpo.rewards: {names} read(s) pixels, but this run has no VAE to decode them; fix: "
                 "model.pipeline=<a diffusers pipeline folder with a vae>, or input: latents"
             )
+        if features is not None and features.input == "pixels" and decode is None:
+            raise ConfigError(
+                "flowgrpo.gardo.features: an image model reads pixels, but this run has no VAE to decode them; fix: "
+                "model.pipeline=<a diffusers pipeline folder with a vae>, or flowgrpo.gardo.features=latents"
+            )
 
     @classmethod
-    def from_config(cls, config: Any, adapter: Any, engine: Any = None, decode: Any = None) -> RewardSet:
+    def from_config(
+        cls, config: Any, adapter: Any, engine: Any = None, decode: Any = None, features: Features | None = None
+    ) -> RewardSet:
         """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``); pixels from ``decode`` (a ``PixelDecoder``)."""
         from .loading import reward_specs
 
         g = config.flowgrpo
-        return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine)
+        return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine, features)
 
     @property
     def names(self) -> list[str]:
@@ -125,15 +145,18 @@ class RewardSet:
         return torch.device("cpu")
 
     def score_local(
-        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict]
+        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict], features: bool = True
     ) -> tuple[torch.Tensor, str | None]:
-        """This rank's slice scored by every reward: ``[b, R]`` float64, or the first failure's message."""
+        """This rank's slice scored by every reward: ``[b, R]`` float64 (then the ``[b, D]`` features, where
+        ``features`` and the set computes them), or the first failure's message."""
         count = latents.shape[0]
-        out = torch.zeros(count, len(self.specs), dtype=torch.float64)
+        embed = self.features if features else None
+        width = embed.width(latents) if embed is not None else 0
+        out = torch.zeros(count, len(self.specs) + width, dtype=torch.float64)
         if count == 0:
             return out, None
         pixels = None
-        if self.wants_pixels:
+        if self.wants_pixels or (embed is not None and embed.input == "pixels"):
             try:
                 with torch.no_grad():
                     pixels = self.decode(latents)
@@ -158,6 +181,21 @@ class RewardSet:
             if problem:
                 return out, f"reward {spec.label} {problem}"
             out[:, j] = scores
+        if embed is not None:
+            try:
+                feats = embed(pixels if embed.input == "pixels" else self.reward_view(latents))
+            except Exception as err:
+                return out, (
+                    f"the image features (flowgrpo.gardo.features) raised {type(err).__name__}: {err}{_where(err)}; "
+                    "fix: a vision model folder transformers' AutoModel loads (DINOv2, DINOv3)"
+                )
+            if feats.shape != (count, width) or not torch.isfinite(feats).all():
+                return out, (
+                    f"the image features (flowgrpo.gardo.features) came out {tuple(feats.shape)} (finite: "
+                    f"{bool(torch.isfinite(feats).all())}), not [{count}, {width}] and finite; fix: a vision model whose "
+                    "output has pooler_output or last_hidden_state"
+                )
+            out[:, len(self.specs) :] = feats
         return out, None
 
     def _agree(self, problem: str | None) -> None:
@@ -179,9 +217,12 @@ class RewardSet:
         what, _, fix = str(messages[first]).partition("; fix: ")
         raise RewardError(f"flowgrpo.rewards: on rank {first}{more}, {what}; every rank stops; fix: {fix}")
 
-    def score_share(self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> Share:
+    def score_share(
+        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None, features: bool = True
+    ) -> Share:
         """This SP rank's share of the samples given (a batch, or a chunk of one) scored, with no collective: what a
-        background thread may run while the next chunk samples (``combine`` then gathers the shares)."""
+        background thread may run while the next chunk samples (``combine`` then gathers the shares). ``features``:
+        the samples' features too, where the set computes them."""
         batch = latents.shape[0]
         if len(prompts) != batch:
             raise ValueError(f"RewardSet: {batch} samples but {len(prompts)} prompts")
@@ -189,15 +230,16 @@ class RewardSet:
         sp_rank, sp_size, _ = self._layout()
         mine = _shares(batch, sp_size)[sp_rank]
         try:
-            local, problem = self.score_local(latents[mine], prompts[mine], metadata[mine])
+            local, problem = self.score_local(latents[mine], prompts[mine], metadata[mine], features)
         except Exception as err:  # reward_view, a cast: every rank must still reach combine's agreement
-            local = torch.zeros(mine.stop - mine.start, len(self.specs), dtype=torch.float64)
+            width = self.features.width(latents) if features and self.features is not None else 0
+            local = torch.zeros(mine.stop - mine.start, len(self.specs) + width, dtype=torch.float64)
             problem = f"scoring raised {type(err).__name__}: {err}{_where(err)}; fix: see the error"
         return Share(batch, local, problem)
 
-    def combine(self, shares: Sequence[Share]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The consecutive pieces' shares as the batch's weighted total ``[B]`` (float32, CPU) and each reward's
-        ``[B]`` scores, identical on SP peers: one agreement on failure, one all-gather in the SP group."""
+    def combine(self, shares: Sequence[Share]) -> Scores:
+        """The consecutive pieces' shares as the batch's :class:`Scores` (CPU), identical on SP peers: one agreement
+        on failure, one all-gather in the SP group (the features ride in the scores' rows)."""
         problem = next((s.problem for s in shares if s.problem), None)
         self._agree(problem)
         _, sp_size, group = self._layout()
@@ -212,29 +254,31 @@ class RewardSet:
                 offset += share.count
             longest = max(len(r) for r in rows)
             device = self._collective_device()
-            send = torch.zeros(longest, len(self.specs), dtype=torch.float64, device=device)
+            send = torch.zeros(longest, scores.shape[1], dtype=torch.float64, device=device)
             send[: scores.shape[0]] = scores.to(device)
             parts = [torch.empty_like(send) for _ in range(sp_size)]
             with comm_kind("data"):
                 dist.all_gather(parts, send, group=group)
-            scores = torch.empty(offset, len(self.specs), dtype=torch.float64)
+            scores = torch.empty(offset, send.shape[1], dtype=torch.float64)
             for q, part in enumerate(parts):
                 scores[rows[q]] = part[: len(rows[q])].cpu()
+        r = len(self.specs)
         weights = torch.tensor([s.weight for s in self.specs], dtype=torch.float64)
-        total = (scores * weights).sum(dim=1).float()
-        return total, {s.name: scores[:, j].float() for j, s in enumerate(self.specs)}
+        total = (scores[:, :r] * weights).sum(dim=1).float()
+        features = scores[:, r:] if scores.shape[1] > r else None
+        return Scores(total, {s.name: scores[:, j].float() for j, s in enumerate(self.specs)}, features)
 
     def __call__(
-        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The weighted total ``[B]`` (float32, CPU) and each reward's ``[B]`` scores, identical on SP peers."""
-        return self.combine([self.score_share(latents, prompts, metadata)])
+        self, latents: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None, features: bool = True
+    ) -> Scores:
+        """The batch's :class:`Scores` (CPU), identical on SP peers."""
+        return self.combine([self.score_share(latents, prompts, metadata, features)])
 
 
 @dataclass(frozen=True)
 class Share:
-    """One SP rank's scores ``local [b, R]`` (float64, CPU) of its share of ``count`` samples, or the first
-    failure's message."""
+    """One SP rank's scores ``local [b, R (+ D)]`` (float64, CPU: the rewards, then the features where they are
+    computed) of its share of ``count`` samples, or the first failure's message."""
 
     count: int
     local: torch.Tensor
@@ -251,8 +295,8 @@ def _shares(count: int, sp_size: int) -> list[slice]:
 
 
 class Scorer:
-    """The iteration's rewards of the final latents: ``(total [B] float32, {name: [B]})`` on the latents' device,
-    split over the SP group and identical on its ranks. ``override`` (``reward(latents, prompts) -> [B]``, given to
+    """The iteration's rewards of the final latents: :class:`Scores` on the latents' device, split over the SP group
+    and identical on its ranks. ``override`` (``reward(latents, prompts) -> [B]``, given to
     the trainer) replaces the configured ``rewards``; an image-conditioned family's rewards read each sample's source
     images in its metadata (``conditioning.with_sources``)."""
 
@@ -265,15 +309,17 @@ class Scorer:
         prompts: list[str],
         metadata: list[dict] | None = None,
         source_pixels: torch.Tensor | None = None,
+        features: bool = True,
     ) -> Share:
         """This rank's share of ``final``'s samples scored by the configured rewards (no collective)."""
         from ..models.conditioning import with_sources
 
-        return self.rewards.score_share(final, prompts, with_sources(metadata, source_pixels, final.shape[0]))
+        metadata = with_sources(metadata, source_pixels, final.shape[0])
+        return self.rewards.score_share(final, prompts, metadata, features)
 
-    def combine(self, shares: Sequence[Share], device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total, each = self.rewards.combine(shares)
-        return to_device(total, device), to_device(each, device)
+    def combine(self, shares: Sequence[Share], device: torch.device) -> Scores:
+        s = self.rewards.combine(shares)
+        return Scores(to_device(s.total, device), to_device(s.each, device), to_device(s.features, device))
 
     def __call__(
         self,
@@ -281,7 +327,9 @@ class Scorer:
         prompts: list[str],
         metadata: list[dict] | None = None,
         source_pixels: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        features: bool = True,
+    ) -> Scores:
+        """``features``: the samples' features too, where the run reads them (not for evaluation)."""
         if self.override is not None:
-            return self.override(self.reward_view(final), prompts).float(), {}
-        return self.combine([self.share(final, prompts, metadata, source_pixels)], final.device)
+            return Scores(self.override(self.reward_view(final), prompts).float(), {})
+        return self.combine([self.share(final, prompts, metadata, source_pixels, features)], final.device)
