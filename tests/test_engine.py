@@ -22,7 +22,9 @@ LAYOUTS = {
     "dp2_sp2": (4, 2, 1),
     "ring2_ulysses2": (4, 2, 2),
 }  # name: (world, ulysses, ring)
-EXTRA_LAYOUTS = {"dp2_ring2": (4, 1, 2)}  # a pure ring of 2 under data parallelism 2 (full fine-tuning only)
+# a pure ring of 2 under data parallelism 2 (full fine-tuning only); Ulysses 3 (Z-Image: a degree that divides
+# neither its tokens nor its text)
+EXTRA_LAYOUTS = {"dp2_ring2": (4, 1, 2), "sp3": (3, 3, 1)}
 # HSDP: 2 replica groups of 2 ranks, each one SP group of 2 (dp 2 = 2 replicas x 1) or, at SP 1, two dp ranks
 # (dp 4 = 2 replicas x 2 shards); name: (world, ulysses, ring, dp_replicate)
 HSDP_LAYOUTS = {"hsdp2_sp2": (4, 2, 1, 2), "hsdp2_dp2": (4, 1, 1, 2)}
@@ -55,7 +57,9 @@ def pipeline_folder(tmp_path_factory):
             from sp_diffusers.tiny import save_tiny_pipeline
 
             family = kind.removesuffix("_pipeline")
-            written[kind] = str(save_tiny_pipeline(family, tmp_path_factory.mktemp(kind), num_layers=2))
+            # Z-Image: 6 heads of 16 (the axes' dims), so that Ulysses 3 divides them
+            wide = {"dim": 96, "n_heads": 6, "n_kv_heads": 6} if family == "zimage" else {}
+            written[kind] = str(save_tiny_pipeline(family, tmp_path_factory.mktemp(kind), num_layers=2, **wide))
         return written.get(kind, "")
 
     return folder
@@ -66,6 +70,7 @@ def pipeline_folder(tmp_path_factory):
     [(layout, lora, "qwenimage") for layout in sorted(LAYOUTS) for lora in (False, True)]
     + [("sp2", False, "sd3_pipeline"), ("dp2_ring2", False, "qwenimage")]
     + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")]
+    + [(layout, False, "zimage_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [
         ("hsdp2_sp2", False, "qwenimage"),
         ("hsdp2_sp2", True, "qwenimage"),
@@ -77,6 +82,8 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     """SD3 runs through sp_diffusers' plan, from a real StableDiffusion3Pipeline folder whose own CLIP/T5
     encoders give the text and pooled inputs (text padded to the degree with a masked key); Wan (video latents
     [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
+    Z-Image from a real ZImagePipeline folder (per-sample lists in and out, its chat-templated Qwen3 text, our plan)
+    at Ulysses 2, 3 and 2 x Ring 2;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2;
     hsdp2_* shard within 2 replica groups of 2 ranks and all-reduce gradients across them (HSDP)."""
     world, sp, ring, *replicate = {**LAYOUTS, **EXTRA_LAYOUTS, **HSDP_LAYOUTS}[layout]

@@ -1,19 +1,25 @@
-"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan), the pipeline's own
-``__call__`` is run on a tiny pipeline written with ``save_pretrained`` and every transformer call is recorded; the
-trainer's parts built from the same folder (text encoder, schedule, adapter) must hand the transformer the same
+"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan, Z-Image), the pipeline's
+own ``__call__`` is run on a tiny pipeline written with ``save_pretrained`` and every transformer call is recorded;
+the trainer's parts built from the same folder (text encoder, schedule, adapter) must hand the transformer the same
 inputs at the same timesteps. Plus the folder checks (one process)."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
 
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 
-FAMILIES = ("qwenimage", "flux", "sd3", "wan")
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "zimage")
 PROMPTS = ["a red cat", "a blue teapot on a table"]  # different lengths: ragged text
-# Qwen-Image's template leaves ~130 characters before the prompt (character tokenizer): keep them all
-TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16}
+# Qwen-Image's template leaves ~130 characters before the prompt (character tokenizer): keep them all; Z-Image's
+# chat template ~50
+TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16, "zimage": 128}
+# the inputs every call must carry, by the forward's parameter names (Z-Image's pipeline passes them by position)
+REQUIRED = {"zimage": {"x", "t", "cap_feats"}}
+DEFAULT_REQUIRED = {"hidden_states", "timestep", "encoder_hidden_states"}
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +30,47 @@ def folders(tmp_path_factory):
     return {f: save_tiny_pipeline(f, root / f, num_layers=1) for f in (*FAMILIES, "wan2.2")}
 
 
-def _record(pipe, family):
+def _record(pipe, family, guidance_scale: float | None = None):
+    """Every transformer call's inputs by parameter name, the scheduler's timesteps, the pipeline's final latents."""
     calls = []
-    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)), with_kwargs=True)
+    names = list(inspect.signature(pipe.transformer.forward).parameters)
+
+    def record(module, args, kwargs):
+        calls.append({**dict(zip(names[: len(args)], args, strict=True)), **kwargs})  # positionals by name
+
+    hook = pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
     timesteps = []
-    kwargs = dict(prompt=PROMPTS, num_inference_steps=3, height=16, width=32, output_type="latent")  # not square
+    # a copy: ZImagePipeline writes each prompt's chat template back into the list it is given
+    kwargs = dict(prompt=list(PROMPTS), num_inference_steps=3, height=16, width=32, output_type="latent")  # not square
     kwargs["callback_on_step_end"] = lambda p, i, t, k: timesteps.append(float(t)) or {}
     kwargs.update(max_sequence_length=TEXT_LEN[family])
     if family == "wan":
         kwargs.update(num_frames=3, guidance_scale=1.0)
     elif family == "sd3":
         kwargs.update(guidance_scale=1.0)
-    pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+    elif family == "zimage":  # Z-Image-Turbo's setting: no CFG (the pipeline's guidance runs for any g > 0)
+        kwargs.update(guidance_scale=0.0 if guidance_scale is None else guidance_scale)
+    out = pipe(**kwargs, generator=torch.Generator().manual_seed(0))
     hook.remove()
-    return calls, timesteps
+    return calls, timesteps, out[0]
+
+
+def _assert_same(got, want, what: str) -> None:
+    """Equal values: Z-Image's per-sample lists element by element."""
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), what
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            # exact: the same latents, the scheduler's own float32 timesteps, the same encoder on the same batch
+            assert g.shape == w.shape and torch.equal(g.to(w.dtype), w), f"{what}[{k}]"
+        return
+    torch.testing.assert_close(got.to(want.dtype), want, atol=1e-5, rtol=0, msg=what)
+
+
+def _latents_of(call, family):
+    """The pipeline's latents at a recorded call, in the trainer's layout."""
+    if family == "zimage":  # a per-sample list of [C, 1, H, W] -> [B, C, H, W]
+        return torch.stack(call["x"]).squeeze(2)
+    return call["hidden_states"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -51,7 +84,7 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
 
     pipe = DiffusionPipeline.from_pretrained(folders[family])
     pipe.set_progress_bar_config(disable=True)
-    calls, timesteps = _record(pipe, family)
+    calls, timesteps, _ = _record(pipe, family)
 
     c = TrainConfig()
     c.model.pipeline, c.model.image_size, c.model.image_width, c.model.frames = str(folders[family]), 8, 16, 2
@@ -63,11 +96,14 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
     assert schedule.timesteps.tolist() == pytest.approx(timesteps, abs=1e-4)  # float32 of the same scheduler
 
     text = build_text_encoder(c, torch.device("cpu")).encode_batch(PROMPTS)
-    embeds, mask = pad_text_batch(text["prompt_embeds"], text["prompt_embeds_mask"], 1, "prompt_embeds")
+    # Z-Image: padded as the engine pads for SP 4, which the adapter must cut back to each prompt's tokens
+    degree = 4 if family == "zimage" else 1
+    embeds, mask = pad_text_batch(text["prompt_embeds"], text["prompt_embeds_mask"], degree, "prompt_embeds")
     for i, call in enumerate(calls):
-        ours = adapter.inputs(call["hidden_states"], schedule.timesteps[i], embeds, mask, text.get("pooled_prompt_embeds"))
+        latents = _latents_of(call, family)
+        ours = adapter.inputs(latents, schedule.timesteps[i], embeds, mask, text.get("pooled_prompt_embeds"))
         shared = set(ours) & set(call)
-        assert {"hidden_states", "timestep", "encoder_hidden_states"} <= shared
+        assert REQUIRED.get(family, DEFAULT_REQUIRED) <= shared
         for key in shared:
             want, got = call[key], ours[key]
             if key == "encoder_hidden_states_mask" and want is None:  # the pipeline drops an all-True mask
@@ -75,13 +111,79 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
             if key == "joint_attention_kwargs" and want is None:  # SD3: our text mask, all True here = no mask
                 assert got["encoder_hidden_states_mask"].all()
                 continue
+            if isinstance(want, list) and want and all(torch.is_tensor(w) for w in want):  # Z-Image's lists
+                _assert_same(got, want, f"{family} step {i}: {key}")
+                continue
             if not torch.is_tensor(got):  # img_shapes, txt_seq_lens
                 assert got == want, f"{family} step {i}: {key}"
                 continue
             assert want is not None, key
-            torch.testing.assert_close(got.to(want.dtype), want, atol=1e-5, rtol=0, msg=f"{family} step {i}: {key}")
+            _assert_same(got, want, f"{family} step {i}: {key}")
         if family == "flux":
             assert call["guidance"] is not None and "guidance" in ours  # FLUX.1-dev's embedded guidance (3.5)
+
+
+class _Engine:
+    """The model as the trainer's engine hands it to the sampler (one process, no SP)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def for_step(self, step: int) -> _Engine:
+        return self
+
+    def forward(self, **inputs):
+        return self.model(**inputs, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("guidance", [0.0, 2.0])
+def test_zimage_sampler_steps_as_the_pipeline_steps(folders, guidance):
+    """The velocity's sign, scale and guidance: from the pipeline's latents at each step, one deterministic step of
+    the trainer's sampler (the engine's output through the adapter: stacked, frame dropped, negated; then Euler)
+    lands on the pipeline's next latents, the last one on its output. g = 0: Z-Image-Turbo's setting, no CFG; g = 2:
+    the pipeline's CFG ``pos + g (pos - neg)`` with the empty negative prompt against ``flowgrpo.cfg_scale = 1 + g``
+    (``neg + s (pos - neg)``), the same numbers in another order of operations."""
+    from diffusers import DiffusionPipeline
+
+    from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
+    from sp_diffusers.flowgrpo.sampling.denoise import Sampler
+    from sp_diffusers.flowgrpo.sampling.sde import ode_step
+    from sp_diffusers.parallel.padding import pad_text_batch
+
+    pipe = DiffusionPipeline.from_pretrained(folders["zimage"])
+    pipe.set_progress_bar_config(disable=True)
+    calls, _, final = _record(pipe, "zimage", guidance)
+
+    c = TrainConfig()
+    c.model.pipeline, c.model.image_size, c.model.image_width = str(folders["zimage"]), 8, 16
+    c.text.max_sequence_length, c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = TEXT_LEN["zimage"], 3, 1.0 + guidance
+    resolve_pipeline(c)
+    model = load_transformers(c)["transformer"]
+    adapter = build_adapter(model, 8, True, 1, TEXT_LEN["zimage"], image_width=16)
+    schedule = run_schedule(c, adapter)
+    encoder = build_text_encoder(c, torch.device("cpu"))
+    assert encoder.hidden_size == model.config.cap_feat_dim == 32
+    cond: dict = {}
+    for prefix, prompts in (("", PROMPTS), ("negative_", [""] * len(PROMPTS))):
+        text = encoder.encode_batch(prompts, prefix=prefix)
+        key = f"{prefix}prompt_embeds"
+        cond[key], cond[key + "_mask"] = pad_text_batch(text[key], text[key + "_mask"], 2, key)
+    sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=c.flowgrpo.cfg_scale)
+    batch = len(PROMPTS)
+    assert len(calls) == schedule.num_steps and len(calls[0]["x"]) == (2 * batch if guidance else batch)
+    sigmas = schedule.sigmas.tolist()
+    for i in range(schedule.num_steps):
+        x = torch.stack(calls[i]["x"][:batch]).squeeze(2)  # with CFG the call carries [pos, neg]
+        with torch.no_grad():
+            v = sampler.velocity(sampler.engine_at(i), x, schedule.timesteps[i], cond)
+        ours = ode_step(x, v, sigmas[i], sigmas[i + 1])
+        want = torch.stack(calls[i + 1]["x"][:batch]).squeeze(2) if i + 1 < len(calls) else final
+        if guidance:  # the guidance's arithmetic in another order: rounding only (6e-8 seen, latents up to ~40)
+            torch.testing.assert_close(ours, want, atol=1e-5, rtol=0, msg=f"step {i}")
+        else:  # the same forward, negation and Euler step: bit for bit
+            assert torch.equal(ours, want), f"step {i}: {(ours - want).abs().max()}"
 
 
 def test_text_encoders_match_encode_prompt(folders):

@@ -120,3 +120,17 @@ def test_plan_rl_answers_for_a_conditioned_builtin(capsys):
     (layout,) = out["layouts"]
     assert layout["iteration"] and out["recommended"] is not None
     assert any("first frame" in note for note in out["notes"])
+
+
+def test_plan_rl_answers_for_z_image(capsys):
+    """Z-Image's transformer takes lists (one latent, one caption per sample) and returns one: the RL iteration calls
+    it through the trainer's adapter and reads the velocity as the trainer does (one small layout: CI time)."""
+    from sp_diffusers.cli import main
+
+    argv = ["plan", "--model", "z-image-turbo", "--height", "256", "--width", "256", "--gpus", "8", "--ulysses", "2"]
+    argv += ["--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1", "--rl"]
+    argv += ["--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None

@@ -1,7 +1,7 @@
 """The trainer for real work, end to end at tiny size (the issue's done-when):
 
-a pipeline folder of each trained family (Qwen-Image, FLUX.1, SD3, Wan2.1, Wan2.2 with both experts, written with
-``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at Ulysses SP = 2 with a file-path reward on pixels
+a pipeline folder of each trained family (Qwen-Image, FLUX.1, SD3, Wan2.1, Wan2.2 with both experts, Z-Image,
+written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at Ulysses SP = 2 with a file-path reward on pixels
 and a .jsonl dataset with eval (Qwen-Image: 2 iterations, then resumed to 3 mid-epoch) -> ``sp-diffusers export``
 -> plain diffusers, in a process that never imports sp_diffusers, reloads the export and reproduces the trained
 model's output; ``sp-diffusers sample`` renders a PNG under SP (base + LoRA, equal to the merged export) and a video
@@ -29,7 +29,7 @@ from ._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = ROOT / "examples" / "rewards" / "simple_rewards.py"
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2")
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage")
 ROWS = [
     {"prompt": "a red cat", "color": "red"},
     {"prompt": "a green house", "color": "green"},
@@ -141,7 +141,12 @@ def test_plain_diffusers_reproduces_the_trained_model(exported, trained, family)
     assert exported["sp_diffusers_imported"] is False
     results = exported[family]
     assert set(results) == ({"transformer", "transformer_2"} if family == "wan2.2" else {"transformer"})
-    names = {"qwenimage": "QwenImagePipeline", "flux": "FluxPipeline", "sd3": "StableDiffusion3Pipeline"}
+    names = {
+        "qwenimage": "QwenImagePipeline",
+        "flux": "FluxPipeline",
+        "sd3": "StableDiffusion3Pipeline",
+        "zimage": "ZImagePipeline",
+    }
     for r in results.values():
         bound = 1e-5 + 1e-5 * r["scale"]
         checks = ["merged", "pipeline"] + (["lora_adapter", "lora_pipeline"] if family != "sd3" else [])

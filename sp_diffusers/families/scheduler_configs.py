@@ -43,6 +43,14 @@ SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_dynamic_shifting": True,
     },
     "wan": _WAN_UNIPC,
+    # Tongyi-MAI/Z-Image-Turbo scheduler_config.json: a static shift 3 (ZImagePipeline still computes mu from the
+    # image tokens and passes it; without use_dynamic_shifting set_timesteps ignores it)
+    "zimage": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "use_dynamic_shifting": False,
+    },
     # black-forest-labs/FLUX.1-dev scheduler_config.json (FluxPipeline passes linspace(1, 1/N, N) and mu)
     "flux": {
         "_class_name": "FlowMatchEulerDiscreteScheduler",

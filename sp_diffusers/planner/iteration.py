@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "Ledger",
     "Pieces",
     "RLKnobs",
+    "TrainerCalls",
     "compose",
     "exposed_reward_seconds",
     "iteration_inputs",
@@ -49,7 +51,7 @@ __all__ = [
 
 Ledger = dict[tuple[str, str], tuple[int, int]]  # (phase, kind) -> (calls, bytes)
 
-_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim")  # the width of the text a family's transformer takes
+_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "cap_feat_dim")  # the width of the text a family's transformer takes
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,19 @@ def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) ->
             return adapter.inputs(latents, timestep, embeds, mask, extra)
         return adapter.inputs(latents, timestep, embeds, mask, extra, condition=condition_of(batch, dtype))
 
-    return inputs
+    return TrainerCalls(inputs, adapter.noisy_output)
+
+
+@dataclass(frozen=True)
+class TrainerCalls:
+    """How the trainer calls a family's transformer: ``self(batch, timestep)`` -> its forward kwargs, ``velocity(out)``
+    -> the velocity the trainer reads from its output (a list for Z-Image; a slice for the conditioned families)."""
+
+    inputs: Callable[[int, torch.Tensor], dict[str, Any]]
+    velocity: Callable[[Any], torch.Tensor]
+
+    def __call__(self, batch: int, timestep: torch.Tensor) -> dict[str, Any]:
+        return self.inputs(batch, timestep)
 
 
 def _conditioned(spec: ModelSpec, model: torch.nn.Module, base: Any) -> tuple[Any, Any]:
@@ -236,7 +250,7 @@ def _rollout_pair(engine: Any, inputs: Any, batch: int, held: bool, ledger: Any)
     return first, second
 
 
-def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: bool) -> Pieces:
+def trace_pieces(engine: Any, inputs: TrainerCalls, rl: RLKnobs, micro_batch: int, lora: bool) -> Pieces:
     """The pieces of :class:`Pieces`, run in the order the trainer meets them (module doc), each counted."""
     from ..parallel.ledger import CommLedger, comm_phase
 
@@ -251,10 +265,10 @@ def trace_pieces(engine: Any, inputs: Any, rl: RLKnobs, micro_batch: int, lora: 
 
         def loss_fn(eng: Any, _batch: Any) -> tuple[torch.Tensor, dict]:
             kwargs = inputs(train_batch, torch.full((train_batch,), 500.0))
-            out = eng.forward(**kwargs).float().square().mean()
+            out = inputs.velocity(eng.forward(**kwargs)).float().square().mean()
             if rl.kl and lora:
                 with torch.no_grad(), eng.adapters_disabled(), comm_phase("reference"):
-                    out = out + 0.0 * eng.forward(**kwargs).float().mean()
+                    out = out + 0.0 * inputs.velocity(eng.forward(**kwargs)).float().mean()
             return out, {}
 
         engine.forward_backward(None, loss_fn)  # as the trainer's update calls it

@@ -19,7 +19,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _heads(spec: ModelSpec) -> int:
-    return int(spec.config.get("num_attention_heads", 1))
+    return int(spec.config.get("num_attention_heads", spec.config.get("n_heads", 1)))  # Z-Image: n_heads
 
 
 def layouts(req: PlanRequest) -> list[tuple[int, int]]:

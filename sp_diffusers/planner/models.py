@@ -12,7 +12,8 @@ Nothing is downloaded. Sources (read when this file was written):
   ``AutoencoderKLCogVideoX`` 8 / 4; Qwen-Image, FLUX and SD3 8x spatial).
 - text lengths: the ``max_sequence_length`` defaults of each pipeline's ``__call__`` (Wan 512, Qwen-Image 512
   (its cap), FLUX 512, HunyuanVideo 256, HunyuanVideo-1.5 1000 (MLLM; the byT5 stream is half of it here),
-  SD3 77 CLIP + 256 T5 = 333, LTX-Video 128, CogVideoX 226).
+  SD3 77 CLIP + 256 T5 = 333, LTX-Video 128, CogVideoX 226, Z-Image 512 (its cap: the chat-templated prompt's
+  valid tokens, fewer for a short prompt)).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..families.kinds import KINDS
-from .released_configs import FLUX_DEV, QWEN_IMAGE, QWEN_IMAGE_2512, WAN_14B
+from .released_configs import FLUX_DEV, QWEN_IMAGE, QWEN_IMAGE_2512, WAN_14B, Z_IMAGE_TURBO
 
 __all__ = ["BUILTIN", "Family", "ModelSpec", "PlanError", "resolve_model"]
 
@@ -60,6 +61,7 @@ FAMILIES: dict[str, Family] = {
     "sd3": Family("sd3", 8, 1, 2, 1, 333, False),
     "ltx": Family("ltx", 32, 8, 1, 1, 128, True),
     "cogvideox": Family("cogvideox", 8, 4, 2, 1, 226, True),
+    "zimage": Family("zimage", 8, 1, 2, 1, 512, False),
 }
 
 
@@ -129,6 +131,14 @@ BUILTIN: dict[str, ModelSpec] = {
         FAMILIES["qwenimage"],
         source="Qwen/Qwen-Image-2512",
         default_size=(1328, 1328, 1),
+    ),
+    "z-image-turbo": ModelSpec(
+        "z-image-turbo",
+        "zimage",
+        dict(Z_IMAGE_TURBO),
+        FAMILIES["zimage"],
+        source="Tongyi-MAI/Z-Image-Turbo",
+        default_size=(1024, 1024, 1),
     ),
     "flux.1-dev": ModelSpec(
         "flux.1-dev",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLUX_DEV", "QWEN_IMAGE", "QWEN_IMAGE_2512", "WAN_14B"]
+__all__ = ["FLUX_DEV", "QWEN_IMAGE", "QWEN_IMAGE_2512", "WAN_14B", "Z_IMAGE_TURBO"]
 
 WAN_14B: dict[str, Any] = {  # Wan-AI/Wan2.1-T2V-14B-Diffusers
     "patch_size": (1, 2, 2),
@@ -48,4 +48,22 @@ FLUX_DEV: dict[str, Any] = {  # black-forest-labs/FLUX.1-dev
     "pooled_projection_dim": 768,
     "guidance_embeds": True,
     "axes_dims_rope": (16, 56, 56),
+}
+
+Z_IMAGE_TURBO: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo (S3-DiT, 6B; text: Qwen3-4B's 2560-wide states)
+    "all_patch_size": (2,),
+    "all_f_patch_size": (1,),
+    "in_channels": 16,
+    "dim": 3840,
+    "n_layers": 30,
+    "n_refiner_layers": 2,
+    "n_heads": 30,
+    "n_kv_heads": 30,
+    "norm_eps": 1e-5,
+    "qk_norm": True,
+    "cap_feat_dim": 2560,
+    "rope_theta": 256.0,
+    "t_scale": 1000.0,
+    "axes_dims": (32, 48, 48),
+    "axes_lens": (1536, 512, 512),
 }

@@ -44,6 +44,7 @@ BLOCK_COUNT_KEYS = {
     "blocks": "num_layers",
     "transformer_blocks": "num_layers",
     "single_transformer_blocks": "num_single_layers",
+    "layers": "n_layers",  # Z-Image's main blocks (its two refiners of n_refiner_layers stay as released)
 }
 
 
@@ -163,6 +164,8 @@ def plan_loss(engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
         # process group: keep the error to raise it in its own words
         batch["error"] = err
         raise
+    if isinstance(out, (list, tuple)):  # Z-Image: one output per sample
+        out = torch.stack(list(out))
     return out.float().square().mean(), {}
 
 

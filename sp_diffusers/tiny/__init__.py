@@ -15,6 +15,7 @@ from .pipelines import (
     save_tiny_qwenimage_pipeline,
     save_tiny_sd3_pipeline,
     save_tiny_wan_pipeline,
+    save_tiny_zimage_pipeline,
 )
 from .specs import _KINDS, tiny_inputs, tiny_model, tiny_model_config
 from .text_parts import save_tiny_clip
@@ -31,6 +32,7 @@ __all__ = [
     "save_tiny_qwenimage_pipeline",
     "save_tiny_sd3_pipeline",
     "save_tiny_wan_pipeline",
+    "save_tiny_zimage_pipeline",
     "tiny_inputs",
     "tiny_model",
     "tiny_model_config",

@@ -16,10 +16,12 @@ from ..families.scheduler_configs import scheduler_kwargs
 from .specs import tiny_model
 from .text_parts import (
     char_tokenizer,
+    chat_tokenizer,
     flux_parts,
     save_pipeline,
     tiny_autoencoder_kl,
     tiny_clip_text,
+    tiny_qwen3,
     tiny_qwen25vl,
     tiny_qwenimage_vae,
     tiny_t5,
@@ -35,6 +37,7 @@ __all__ = [
     "save_tiny_qwenimage_pipeline",
     "save_tiny_sd3_pipeline",
     "save_tiny_wan_pipeline",
+    "save_tiny_zimage_pipeline",
     "tiny_umt5",
 ]
 
@@ -122,12 +125,39 @@ def save_tiny_wan_pipeline(
     return save_pipeline(pipe, folder)
 
 
+def save_tiny_zimage_pipeline(
+    folder: str | os.PathLike, seed: int = 0, num_layers: int | None = None, **transformer_overrides: Any
+) -> Path:
+    """A tiny ``ZImagePipeline`` shaped as Z-Image-Turbo: the tiny ``ZImageTransformer2DModel`` with 16 input
+    channels (the VAE's latent channels, as the released model) and a RoPE table long enough for the pipeline's
+    default 512 caption tokens (caption positions come first on axis 0, the image after them), a ``Qwen3Model`` text
+    encoder (hidden = ``cap_feat_dim``) with a character tokenizer and a Qwen-style chat template, an
+    ``AutoencoderKL`` with the FLUX.1 VAE's scaling and shift (the VAE Z-Image ships) and Z-Image-Turbo's scheduler
+    config. ``num_layers``: the main layers (the model's ``n_layers``; the same keyword as the other writers)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+
+    overrides: dict[str, Any] = {"in_channels": 16, "axes_lens": [1024, 64, 64], **transformer_overrides}
+    if num_layers is not None:
+        overrides["n_layers"] = num_layers
+    transformer = tiny_model("zimage", seed=seed, **overrides)
+    cfg = transformer.config
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("zimage")),
+        vae=tiny_autoencoder_kl(seed + 2, cfg.in_channels, 0.3611, 0.1159),
+        text_encoder=tiny_qwen3(seed + 1, cfg.cap_feat_dim),
+        tokenizer=chat_tokenizer(1024),
+        transformer=transformer,
+    )
+    return save_pipeline(pipe, folder)
+
+
 # family -> writer: the families the trainer reads from a pipeline folder (wan2.2: save_tiny_wan_pipeline(experts=2))
 PIPELINE_WRITERS = {
     "qwenimage": save_tiny_qwenimage_pipeline,
     "flux": save_tiny_flux_pipeline,
     "sd3": save_tiny_sd3_pipeline,
     "wan": save_tiny_wan_pipeline,
+    "zimage": save_tiny_zimage_pipeline,
 }
 
 

@@ -15,13 +15,16 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "char_tokenizer",
+    "chat_tokenizer",
     "flux_parts",
     "require_weights",
     "save_pipeline",
     "save_tiny_clip",
     "tiny_autoencoder_kl",
     "tiny_clip_text",
+    "tiny_qwen3",
     "tiny_qwen25vl",
     "tiny_qwenimage_vae",
     "tiny_t5",
@@ -70,6 +73,41 @@ def char_tokenizer(max_length: int) -> Any:
         unk_token="<unk>",
         model_max_length=max_length,
     )
+
+
+# A Qwen-style chat template of our own (ChatML markers): what Z-Image's pipeline renders each prompt with
+# (``apply_chat_template(..., add_generation_prompt=True, enable_thinking=True)``); ``enable_thinking=False`` adds
+# the empty think block, as Qwen3's template does.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+CHAT_WORDS = [*WORDS, "\n"]  # the template's newlines get a token of their own (WORDS: printable ASCII only)
+
+
+def chat_tokenizer(max_length: int) -> Any:
+    """A character tokenizer (as :func:`char_tokenizer`, plus a newline token: ``len(CHAT_WORDS)`` ids) with
+    :data:`CHAT_TEMPLATE`, so ``apply_chat_template`` works as with a Qwen3 tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(CHAT_WORDS)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _seeded(seed: int, build):
@@ -154,6 +192,27 @@ def qwen25vl(seed: int, hidden: int, vocab: int, max_positions: int, vision: dic
     tower.update(spatial_merge_size=2, temporal_patch_size=1, fullatt_block_indexes=[0], window_size=8, **(vision or {}))
     config = Qwen2_5_VLConfig(text_config=text, vision_config=tower, **tokens, **ids)
     return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
+
+
+def tiny_qwen3(seed: int, hidden: int = 32, max_positions: int = 1024) -> Any:
+    """``Qwen3Model`` (Z-Image's text encoder class: the pipeline reads ``hidden_states[-2]``), ``hidden`` wide, two
+    layers (so the second-to-last hidden state is a layer's output, not the embeddings), over :data:`CHAT_WORDS`."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=len(CHAT_WORDS),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden // 2,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return _seeded(seed, lambda: Qwen3Model(config)).eval()
 
 
 def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:

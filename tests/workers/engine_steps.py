@@ -52,6 +52,11 @@ def _config(
         # all attended: Wan takes no text mask), its UniPC scheduler config as the schedule; 2 x 4 x 4 = 32 video tokens
         c.model.kind, c.model.pretrained, c.model.frames = "wan", f"{pipeline}/transformer", 2
         c.text.pipeline, c.text.max_sequence_length = pipeline, 16
+    if kind == "zimage_pipeline":
+        # a real ZImagePipeline folder: transformer from_pretrained (lists in, a list out), prompts through its Qwen3
+        # chat template (each caption's valid tokens), its scheduler config; 6 heads: Ulysses 2 and 3 divide them
+        c.model.kind, c.model.pretrained = "zimage", f"{pipeline}/transformer"
+        c.text.pipeline, c.text.max_sequence_length = pipeline, 64
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.parallel.dp_replicate = replicate

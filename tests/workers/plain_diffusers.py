@@ -21,6 +21,8 @@ import torch
 def _max_diff(model, inputs, want) -> float:
     with torch.no_grad():
         got = model(**inputs, return_dict=False)[0]
+    if isinstance(got, (list, tuple)):  # Z-Image: a per-sample list
+        got = torch.stack(list(got))
     return float((got.float() - want.float()).abs().max())
 
 

@@ -51,6 +51,11 @@ def _conditioned(config: Any, model: torch.nn.Module, base: Any, g: torch.Genera
     return adapter, {"condition": cond}
 
 
+def _stacked(out: Any) -> torch.Tensor:
+    """A transformer's output as one tensor (Z-Image returns a per-sample list)."""
+    return torch.stack(list(out)) if isinstance(out, (list, tuple)) else out
+
+
 def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
     """Fixed inputs for the run's transformer(s) and what the trained model returns on them: each trained expert
     built as the run built it, its checkpoint loaded by the engine's own resume path (one process), and the base
@@ -72,7 +77,7 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
         if inputs is None:
             c = model.config
             adapter = build_adapter(model, config.model.image_size, True, config.model.frames, config.text.max_sequence_length)
-            width = getattr(c, "joint_attention_dim", None) or c.text_dim
+            width = getattr(c, "joint_attention_dim", None) or getattr(c, "text_dim", None) or c.cap_feat_dim
             embeds = torch.randn(2, config.text.max_sequence_length, width, generator=g)
             pooled = torch.randn(2, c.pooled_projection_dim, generator=g) if hasattr(c, "pooled_projection_dim") else None
             adapter, condition = _conditioned(config, model, adapter, g)
@@ -81,12 +86,12 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
             inputs = adapter.inputs(latents, torch.tensor(600.0), embeds, mask, pooled, **condition)
             inputs.pop("joint_attention_kwargs", None)  # SD3's text mask, all True here: the same as none
         with torch.no_grad():
-            base[name] = model(**inputs, return_dict=False)[0]
+            base[name] = _stacked(model(**inputs, return_dict=False)[0])
         engine = FSDPEngine(model, engine_settings(config))
         root = Path(run_dir) / "checkpoints"
         engine.load_checkpoint(root / name if len(names) > 1 else root)
         with torch.no_grad():
-            outputs[name] = engine.forward(**inputs).detach()
+            outputs[name] = _stacked(engine.forward(**inputs)).detach()
     case = {
         "inputs": inputs,
         "outputs": outputs,

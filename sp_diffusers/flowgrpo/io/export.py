@@ -48,6 +48,7 @@ PIPELINE_CLASSES = {
     "flux": "FluxPipeline",
     "sd3": "StableDiffusion3Pipeline",
     "wan": "WanPipeline",
+    "zimage": "ZImagePipeline",
 }
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

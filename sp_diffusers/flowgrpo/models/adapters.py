@@ -1,7 +1,7 @@
 """How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs (FLUX.1:
-``flux_adapter.py``).
+``flux.py``; Z-Image: ``zimage.py``).
 
-Latents keep the family's own layout (Qwen-Image: packed tokens ``[B, L, C]``; SD3: ``[B, C, H, W]``; Wan:
+Latents keep the family's own layout (Qwen-Image: packed tokens ``[B, L, C]``; SD3, Z-Image: ``[B, C, H, W]``; Wan:
 video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments (image grid, ids) and how
 the pipeline hands the schedule's timestep (0..1000 scale) to its transformer. ``reward_view`` gives the rewards
 channels-last latents (``[B, L, C]`` for images, ``[B, F, H, W, C]`` for video).
@@ -18,8 +18,9 @@ from torch import Tensor
 from .base import FamilyAdapter
 from .decode import PackedTokens, pack_2x2, unpack_2x2
 from .flux import FluxAdapter, flux_adapter
+from .zimage import ZImageAdapter, zimage_adapter
 
-__all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "build_adapter"]
+__all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "ZImageAdapter", "build_adapter"]
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def build_adapter(
     text_len: int = 512,
     guidance_scale: float = 3.5,
     image_width: int = 0,
-) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter:
+) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter | ZImageAdapter:
     """The adapter for ``model`` at latent height ``image_size`` and width ``image_width`` (0: ``image_size``; before
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
     projection input itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to
@@ -227,7 +228,11 @@ def build_adapter(
         if text_len < 1:
             raise ValueError(f"text.max_sequence_length={text_len} must be >= 1 (Wan pads prompts to it)")
         return WanAdapter(frames, h, w, config.in_channels, (pt, ph, pw), text_len)
+    if name == "ZImageTransformer2DModel":
+        check(2, 2)  # ZImagePipeline calls the transformer with patch_size 2
+        return zimage_adapter(model, h, w)
     raise ValueError(
         f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
-        "SD3Transformer2DModel, WanTransformer3DModel (add one in sp_diffusers/flowgrpo/models/adapters.py)"
+        "SD3Transformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel (add one in "
+        "sp_diffusers/flowgrpo/models/adapters.py)"
     )

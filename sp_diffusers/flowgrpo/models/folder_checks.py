@@ -40,6 +40,7 @@ PIPELINE_FAMILIES = {
     "FluxPipeline": "flux",
     "StableDiffusion3Pipeline": "sd3",
     "WanPipeline": "wan",
+    "ZImagePipeline": "zimage",
     "QwenImageEditPipeline": "qwenimage",
     "QwenImageEditPlusPipeline": "qwenimage",
     "FluxKontextPipeline": "flux",

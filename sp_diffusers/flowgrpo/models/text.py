@@ -164,7 +164,9 @@ class PipelineTextEncoder:
     UMT5, cut at each prompt's length and zero-padded to ``max_sequence_length``; for ``FluxPipeline`` CLIP (pooled)
     and T5 (``max_sequence_length`` tokens). Those transformers attend to every text token, padding included, so the
     masks are all True. ``QwenImagePipeline``: Qwen2.5-VL's last hidden states after the template, ragged, with a
-    mask (its transformer masks the padding). Frozen, no gradients.
+    mask (its transformer masks the padding). ``ZImagePipeline``: Qwen3's second-to-last hidden states of the
+    chat-templated prompt (``enable_thinking=True``) tokenised to ``max_sequence_length``, each prompt's valid tokens
+    (ragged, with a mask: the adapter cuts the rows back to it). Frozen, no gradients.
 
     The editing and image-to-video pipelines (``CONDITIONED``) keep their VAE (and Wan2.1 I2V its CLIP image encoder):
     the family's adapter prepares the condition with them (``conditioning.py``); Qwen-Image-Edit's prompts are read
@@ -178,7 +180,14 @@ class PipelineTextEncoder:
         "FluxKontextPipeline": "FluxPipeline",
         "WanImageToVideoPipeline": "WanPipeline",
     }
-    SUPPORTED = ("StableDiffusion3Pipeline", "WanPipeline", "QwenImagePipeline", "FluxPipeline", *CONDITIONED)
+    SUPPORTED = (
+        "StableDiffusion3Pipeline",
+        "WanPipeline",
+        "QwenImagePipeline",
+        "FluxPipeline",
+        "ZImagePipeline",
+        *CONDITIONED,
+    )
 
     def __init__(
         self,
@@ -240,7 +249,7 @@ class PipelineTextEncoder:
     @property
     def hidden_size(self) -> int:
         """The width of the embeddings the transformer receives."""
-        if self.text_family == "QwenImagePipeline":
+        if self.text_family in ("QwenImagePipeline", "ZImagePipeline"):
             config = self.pipe.text_encoder.config
             return int(getattr(config, "text_config", config).hidden_size)
         encoder = {"WanPipeline": "text_encoder", "FluxPipeline": "text_encoder_2"}.get(self.text_family, "text_encoder_3")
@@ -280,6 +289,12 @@ class PipelineTextEncoder:
         if self.text_family == "QwenImagePipeline":
             embeds, masks = self._qwen(prompts)
             return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": masks}
+        if self.text_family == "ZImagePipeline":
+            embeds = self._zimage(prompts)
+            return {
+                f"{prefix}prompt_embeds": embeds,
+                f"{prefix}prompt_embeds_mask": [torch.ones(e.shape[0], dtype=torch.bool) for e in embeds],
+            }
         if self.text_family == "FluxPipeline":
             # CLIP pooled + T5 padded to max_sequence_length: the transformer attends to every T5 row
             embeds, pooled, _ = self.pipe.encode_prompt(
@@ -295,6 +310,33 @@ class PipelineTextEncoder:
             max_sequence_length=self.max_sequence_length,
         )
         return self._dense(prefix, embeds, pooled)
+
+    def _zimage(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Z-Image's ``encode_prompt`` without CFG: each prompt's valid ``[L_i, D]`` rows, as the pipeline gives its
+        transformer. A prompt whose template fills ``max_sequence_length`` was cut there: said once."""
+        # encode_prompt writes the templated text back into the list it is given: hand it a copy
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=list(prompts),
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        for prompt, e in zip(prompts, embeds, strict=True):
+            if e.shape[0] >= self.max_sequence_length:  # full: count the templated prompt's tokens uncut
+                messages = [{"role": "user", "content": prompt}]
+                text = self.pipe.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, enable_thinking=True
+                )
+                n = len(self.pipe.tokenizer(text).input_ids)
+                if n > self.max_sequence_length:
+                    warn_truncated(
+                        "PipelineTextEncoder (ZImagePipeline)",
+                        prompt,
+                        n,
+                        self.max_sequence_length,
+                        "text.max_sequence_length (chat template included)",
+                    )
+        return [e.float().cpu() for e in embeds]
 
     def _qwen(self, prompts: list[str] | str, image: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Qwen-Image(-Edit)'s ``encode_prompt``: ragged, as the pipeline gives its transformer (each prompt's rows,

@@ -16,6 +16,10 @@ keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer time
     and the config's base / max shift), without a terminal stretch in FLUX.1-dev's config;
   - Wan (``WanPipeline``): ``set_timesteps(N)`` on Wan's UniPC config (flow sigmas, ``flow_shift`` 3):
     ``shift(linspace(1, 1/1000, N + 1)[:-1])`` with ``sigmas[0] = 1 - 1e-6`` and truncated integer timesteps.
+  - Z-Image (``ZImagePipeline``): ``mu`` from the image tokens as FLUX.1 (ignored by Z-Image-Turbo's static shift
+    3), and from diffusers 0.40 ``set_timesteps(sigmas=get_default_z_image_sigmas(N), mu)`` (``linspace(1, 1/N,
+    N)``); before 0.40 the pipeline set ``sigma_min = 0`` and called ``set_timesteps(N, mu)``: its last step is at
+    sigma 0 and moves nothing. Whichever the installed pipeline does is what this does.
 
 - ``linspace`` schedules are DanceGRPO's (and verl-omni's ``dance_grpo``):
   ``sigmas = shift(linspace(1, 0, N + 1))`` computed in float32, and the model timestep ``int(1000 sigma)``
@@ -139,12 +143,13 @@ def pipeline_schedule(
     image_seq_len: int | None = None,
     shift: float | None = None,
 ) -> Schedule:
-    """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``wan``) samples with.
+    """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``flux``, ``wan``, ``zimage``)
+    samples with.
 
     Args:
         scheduler_config: the pipeline's scheduler config (``load_scheduler_config``); None: the family default.
-        image_seq_len: image tokens per sample (after patching); Qwen-Image's ``mu`` and a dynamically
-            shifted SD3 depend on it.
+        image_seq_len: image tokens per sample (after patching); the ``mu`` of Qwen-Image, FLUX.1, Z-Image and a
+            dynamically shifted SD3 depend on it.
         shift: replaces the config's static shift (``shift``, or UniPC's ``flow_shift``); None keeps it.
     """
     if kind not in SCHEDULER_DEFAULTS:
@@ -164,7 +169,7 @@ def pipeline_schedule(
         train = _shifted_grid(int(c.get("num_train_timesteps", 1000)), float(c.get("flow_shift", 1.0)))
     dynamic = name == "FlowMatchEulerDiscreteScheduler" and bool(c.get("use_dynamic_shifting", False))
     flux_like = kind in ("qwenimage", "flux")  # both pipelines pass linspace(1, 1/N, N) sigmas and mu
-    if flux_like or (kind == "sd3" and dynamic):
+    if flux_like or kind == "zimage" or (kind == "sd3" and dynamic):
         if image_seq_len is None:
             raise ValueError(f"the {kind} pipeline schedule depends on the image tokens: pass image_seq_len")
         # the pipelines' calculate_shift fallbacks differ (Qwen-Image 1.15, SD3 1.16 as max_shift)
@@ -179,6 +184,8 @@ def pipeline_schedule(
         mu = None
     if flux_like:
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
+    elif kind == "zimage":
+        _set_zimage_timesteps(scheduler, num_steps, mu)
     elif mu is not None:
         scheduler.set_timesteps(num_steps, mu=mu)
     else:
@@ -189,6 +196,18 @@ def pipeline_schedule(
     return Schedule(
         sigmas, timesteps, f"{name} ({origin} scheduler config), as the {kind} pipeline sets it", train
     )
+
+
+def _set_zimage_timesteps(scheduler: Any, num_steps: int, mu: float | None) -> None:
+    """``set_timesteps`` as the installed ``ZImagePipeline.__call__`` calls it (module docstring)."""
+    from diffusers.pipelines.z_image import pipeline_z_image
+
+    default_sigmas = getattr(pipeline_z_image, "get_default_z_image_sigmas", None)
+    if default_sigmas is not None:  # diffusers >= 0.40
+        scheduler.set_timesteps(sigmas=default_sigmas(num_steps), mu=mu)
+    else:  # the pipeline stretched the scheduler's range to sigma 0 first
+        scheduler.sigma_min = 0.0
+        scheduler.set_timesteps(num_steps, mu=mu)
 
 
 def _shifted_grid(num_train_timesteps: int, shift: float) -> torch.Tensor:
