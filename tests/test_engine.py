@@ -22,8 +22,8 @@ LAYOUTS = {
     "dp2_sp2": (4, 2, 1),
     "ring2_ulysses2": (4, 2, 2),
 }  # name: (world, ulysses, ring)
-# a pure ring of 2 under data parallelism 2 (full fine-tuning only); Ulysses 3 (Z-Image: a degree that divides
-# neither its tokens nor its text)
+# a pure ring of 2 under data parallelism 2 (full fine-tuning only); Ulysses 3 (Z-Image, FLUX.2: a degree that
+# divides neither their tokens nor their text)
 EXTRA_LAYOUTS = {"dp2_ring2": (4, 1, 2), "sp3": (3, 3, 1)}
 # HSDP: 2 replica groups of 2 ranks, each one SP group of 2 (dp 2 = 2 replicas x 1) or, at SP 1, two dp ranks
 # (dp 4 = 2 replicas x 2 shards); name: (world, ulysses, ring, dp_replicate)
@@ -56,9 +56,12 @@ def pipeline_folder(tmp_path_factory):
         if kind.endswith("_pipeline") and kind not in written:
             from sp_diffusers.tiny import save_tiny_pipeline
 
-            family = kind.removesuffix("_pipeline")
-            # Z-Image: 6 heads of 16 (the axes' dims), so that Ulysses 3 divides them
-            wide = {"dim": 96, "n_heads": 6, "n_kv_heads": 6} if family == "zimage" else {}
+            family = kind.removesuffix("_pipeline").replace("flux2_klein", "flux2-klein")
+            # Z-Image, FLUX.2 [klein]: 6 heads of 16 (the axes' dims), so that Ulysses 3 divides them
+            wide = {
+                "zimage": {"dim": 96, "n_heads": 6, "n_kv_heads": 6},
+                "flux2-klein": {"num_attention_heads": 6},
+            }.get(family, {})
             written[kind] = str(save_tiny_pipeline(family, tmp_path_factory.mktemp(kind), num_layers=2, **wide))
         return written.get(kind, "")
 
@@ -71,6 +74,7 @@ def pipeline_folder(tmp_path_factory):
     + [("sp2", False, "sd3_pipeline"), ("dp2_ring2", False, "qwenimage")]
     + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")]
     + [(layout, False, "zimage_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
+    + [(layout, False, "flux2_klein_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [
         ("hsdp2_sp2", False, "qwenimage"),
         ("hsdp2_sp2", True, "qwenimage"),
@@ -83,10 +87,16 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     encoders give the text and pooled inputs (text padded to the degree with a masked key); Wan (video latents
     [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
     Z-Image from a real ZImagePipeline folder (per-sample lists in and out, its chat-templated Qwen3 text, our plan)
-    at Ulysses 2, 3 and 2 x Ring 2;
+    at Ulysses 2, 3 and 2 x Ring 2; FLUX.2 [klein] from a real Flux2KleinPipeline folder (packed tokens, batched
+    4-axis ids, its stacked Qwen3 layers, diffusers' own plan) at the same three;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2;
     hsdp2_* shard within 2 replica groups of 2 ranks and all-reduce gradients across them (HSDP)."""
     world, sp, ring, *replicate = {**LAYOUTS, **EXTRA_LAYOUTS, **HSDP_LAYOUTS}[layout]
+    if kind == "flux2_klein_pipeline":
+        import diffusers
+
+        if not hasattr(diffusers, "Flux2KleinPipeline"):  # the compatibility matrix's 0.36 (-k sp2)
+            pytest.skip(f"diffusers {diffusers.__version__} has no Flux2KleinPipeline (0.37+)")
     pipeline = pipeline_folder(kind)
     ref = _step(1, 1, lora, kind, 1, pipeline)[0]
     results = _step(world, sp, lora, kind, ring, pipeline, *replicate)

@@ -1,4 +1,5 @@
-"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan, Z-Image), the pipeline's
+"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan, Z-Image, FLUX.2 [klein]), the
+pipeline's
 own ``__call__`` is run on a tiny pipeline written with ``save_pretrained`` and every transformer call is recorded;
 the trainer's parts built from the same folder (text encoder, schedule, adapter) must hand the transformer the same
 inputs at the same timesteps. Plus the folder checks (one process)."""
@@ -6,17 +7,19 @@ inputs at the same timesteps. Plus the folder checks (one process)."""
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
 
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "zimage")
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "zimage", "flux2-klein")
+KIND = {"flux2-klein": "flux2"}  # tiny pipeline name -> model.kind, where they differ
 PROMPTS = ["a red cat", "a blue teapot on a table"]  # different lengths: ragged text
 # Qwen-Image's template leaves ~130 characters before the prompt (character tokenizer): keep them all; Z-Image's
-# chat template ~50
-TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16, "zimage": 128}
+# chat template ~50; FLUX.2 [klein]'s (the empty think block added) ~50 more than the prompt, every row seen
+TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16, "zimage": 128, "flux2-klein": 96}
 # the inputs every call must carry, by the forward's parameter names (Z-Image's pipeline passes them by position)
 REQUIRED = {"zimage": {"x", "t", "cap_feats"}}
 DEFAULT_REQUIRED = {"hidden_states", "timestep", "encoder_hidden_states"}
@@ -50,6 +53,8 @@ def _record(pipe, family, guidance_scale: float | None = None):
         kwargs.update(guidance_scale=1.0)
     elif family == "zimage":  # Z-Image-Turbo's setting: no CFG (the pipeline's guidance runs for any g > 0)
         kwargs.update(guidance_scale=0.0 if guidance_scale is None else guidance_scale)
+    elif family == "flux2-klein":  # no CFG (the distilled [klein]'s setting; Base guides at g > 1)
+        kwargs.update(guidance_scale=1.0 if guidance_scale is None else guidance_scale)
     out = pipe(**kwargs, generator=torch.Generator().manual_seed(0))
     hook.remove()
     return calls, timesteps, out[0]
@@ -89,7 +94,7 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
     c = TrainConfig()
     c.model.pipeline, c.model.image_size, c.model.image_width, c.model.frames = str(folders[family]), 8, 16, 2
     c.text.max_sequence_length, c.flowgrpo.num_steps = TEXT_LEN[family], 3
-    assert resolve_pipeline(c) == family and c.model.kind == family
+    assert resolve_pipeline(c) == KIND.get(family, family) and c.model.kind == KIND.get(family, family)
     model = load_transformers(c)["transformer"]
     adapter = build_adapter(model, 8, True, 2, TEXT_LEN[family], image_width=16)
     schedule = run_schedule(c, adapter)
@@ -121,6 +126,9 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
             _assert_same(got, want, f"{family} step {i}: {key}")
         if family == "flux":
             assert call["guidance"] is not None and "guidance" in ours  # FLUX.1-dev's embedded guidance (3.5)
+        if family == "flux2-klein":  # no guidance embedding: none passed; 4-axis ids, batched, as the pipeline's
+            assert call["guidance"] is None and "guidance" not in ours
+            assert ours["img_ids"].shape == (len(PROMPTS), 4 * 8, 4) and ours["txt_ids"].shape[-1] == 4
 
 
 class _Engine:
@@ -136,13 +144,21 @@ class _Engine:
         return self.model(**inputs, return_dict=False)[0]
 
 
-@pytest.mark.parametrize("guidance", [0.0, 2.0])
-def test_zimage_sampler_steps_as_the_pipeline_steps(folders, guidance):
+@pytest.mark.parametrize(
+    ("family", "guidance"), [("zimage", 0.0), ("zimage", 2.0), ("flux2-klein", 1.0), ("flux2-klein", 4.0)]
+)
+def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
     """The velocity's sign, scale and guidance: from the pipeline's latents at each step, one deterministic step of
-    the trainer's sampler (the engine's output through the adapter: stacked, frame dropped, negated; then Euler)
-    lands on the pipeline's next latents, the last one on its output. g = 0: Z-Image-Turbo's setting, no CFG; g = 2:
-    the pipeline's CFG ``pos + g (pos - neg)`` with the empty negative prompt against ``flowgrpo.cfg_scale = 1 + g``
-    (``neg + s (pos - neg)``), the same numbers in another order of operations."""
+    the trainer's sampler (the engine's output through the adapter, then Euler) lands on the pipeline's next
+    latents, the last one on its output (FLUX.2: through the adapter's ``to_vae``, the VAE's batch-norm statistics
+    undone and the patches unpacked, as the pipeline returns ``output_type="latent"``).
+
+    Z-Image: its output stacked, frame dropped, negated; g = 0 is Z-Image-Turbo's setting, no CFG; g = 2 is the
+    pipeline's ``pos + g (pos - neg)`` with the empty negative prompt against ``flowgrpo.cfg_scale = 1 + g``
+    (``neg + s (pos - neg)``). FLUX.2 [klein]: the output is the velocity; g = 1 runs no CFG (as the distilled
+    [klein] at any g); g = 4 (Base's default) is ``neg + g (pos - neg)`` over two forwards, so ``cfg_scale = g``:
+    with ``cfg_batch`` off the sampler makes the same two calls, bit for bit. Z-Image's CFG meets the same numbers
+    in another order: rounding only."""
     from diffusers import DiffusionPipeline
 
     from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
@@ -152,42 +168,53 @@ def test_zimage_sampler_steps_as_the_pipeline_steps(folders, guidance):
     from sp_diffusers.flowgrpo.sampling.sde import ode_step
     from sp_diffusers.parallel.padding import pad_text_batch
 
-    pipe = DiffusionPipeline.from_pretrained(folders["zimage"])
+    pipe = DiffusionPipeline.from_pretrained(folders[family])
     pipe.set_progress_bar_config(disable=True)
-    calls, _, final = _record(pipe, "zimage", guidance)
+    calls, _, final = _record(pipe, family, guidance)
 
     c = TrainConfig()
-    c.model.pipeline, c.model.image_size, c.model.image_width = str(folders["zimage"]), 8, 16
-    c.text.max_sequence_length, c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = TEXT_LEN["zimage"], 3, 1.0 + guidance
+    c.model.pipeline, c.model.image_size, c.model.image_width = str(folders[family]), 8, 16
+    scale = 1.0 + guidance if family == "zimage" else guidance  # Z-Image's g on top of 1; [klein]'s g is s
+    c.text.max_sequence_length, c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = TEXT_LEN[family], 3, scale
     resolve_pipeline(c)
     model = load_transformers(c)["transformer"]
-    adapter = build_adapter(model, 8, True, 1, TEXT_LEN["zimage"], image_width=16)
+    adapter = build_adapter(model, 8, True, 1, TEXT_LEN[family], image_width=16)
     schedule = run_schedule(c, adapter)
     encoder = build_text_encoder(c, torch.device("cpu"))
-    assert encoder.hidden_size == model.config.cap_feat_dim == 32
+    width = model.config.cap_feat_dim if family == "zimage" else model.config.joint_attention_dim
+    assert encoder.hidden_size == width
     cond: dict = {}
     for prefix, prompts in (("", PROMPTS), ("negative_", [""] * len(PROMPTS))):
         text = encoder.encode_batch(prompts, prefix=prefix)
         key = f"{prefix}prompt_embeds"
         cond[key], cond[key + "_mask"] = pad_text_batch(text[key], text[key + "_mask"], 2, key)
-    sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=c.flowgrpo.cfg_scale)
-    batch = len(PROMPTS)
-    assert len(calls) == schedule.num_steps and len(calls[0]["x"]) == (2 * batch if guidance else batch)
+    # Z-Image batches both branches in one call; FLUX.2 [klein] calls its transformer once per branch, and so does
+    # the sampler here (rollout.cfg_batch false): the same forwards and the same guidance formula, bit for bit
+    two_calls = family != "zimage"
+    sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=c.flowgrpo.cfg_scale, cfg_batch=not two_calls)
+    batch, guided = len(PROMPTS), scale > 1.0
+    per_step = 2 if guided and two_calls else 1
+    assert len(calls) == per_step * schedule.num_steps
+    assert _latents_of(calls[0], family).shape[0] == (2 * batch if guided and family == "zimage" else batch)
     sigmas = schedule.sigmas.tolist()
     for i in range(schedule.num_steps):
-        x = torch.stack(calls[i]["x"][:batch]).squeeze(2)  # with CFG the call carries [pos, neg]
+        x = _latents_of(calls[per_step * i], family)[:batch]  # with Z-Image's CFG the call carries [pos, neg]
         with torch.no_grad():
             v = sampler.velocity(sampler.engine_at(i), x, schedule.timesteps[i], cond)
         ours = ode_step(x, v, sigmas[i], sigmas[i + 1])
-        want = torch.stack(calls[i + 1]["x"][:batch]).squeeze(2) if i + 1 < len(calls) else final
-        if guidance:  # the guidance's arithmetic in another order: rounding only (6e-8 seen, latents up to ~40)
-            torch.testing.assert_close(ours, want, atol=1e-5, rtol=0, msg=f"step {i}")
-        else:  # the same forward, negation and Euler step: bit for bit
+        if i + 1 < schedule.num_steps:
+            want = _latents_of(calls[per_step * (i + 1)], family)[:batch]
+        else:  # the pipeline's output: FLUX.2 returns the VAE's latents, Z-Image its own
+            want = final
+            ours = adapter.to_vae(pipe.vae, ours) if family == "flux2-klein" else ours
+        if guided and family == "zimage":  # the guidance in another order: rounding only (6e-8 seen, latents ~40)
+            torch.testing.assert_close(ours, want, atol=1e-5, rtol=0, msg=lambda m, i=i: f"step {i}: {m}")
+        else:  # the same forwards, guidance, velocity and Euler step: bit for bit
             assert torch.equal(ours, want), f"step {i}: {(ours - want).abs().max()}"
 
 
 def test_text_encoders_match_encode_prompt(folders):
-    from diffusers import FluxPipeline, QwenImagePipeline
+    from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline
 
     from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder
 
@@ -212,6 +239,50 @@ def test_text_encoders_match_encode_prompt(folders):
         )
     assert torch.equal(torch.stack(got["negative_prompt_embeds"]), embeds)
     assert torch.equal(got["negative_pooled_prompt_embeds"], pooled) and f.hidden_size == 32
+    k = PipelineTextEncoder(str(folders["flux2-klein"]), TEXT_LEN["flux2-klein"])
+    got = k.encode_batch(PROMPTS)
+    with torch.no_grad():
+        embeds, text_ids = Flux2KleinPipeline.from_pretrained(
+            folders["flux2-klein"], transformer=None, vae=None
+        ).encode_prompt(PROMPTS, max_sequence_length=TEXT_LEN["flux2-klein"])
+    # every row (padding included: the transformer sees them all), 3 stacked Qwen3 layers side by side
+    assert torch.equal(torch.stack(got["prompt_embeds"]), embeds) and all(m.all() for m in got["prompt_embeds_mask"])
+    assert k.hidden_size == 3 * 16 == embeds.shape[-1] and text_ids.shape == (2, TEXT_LEN["flux2-klein"], 4)
+    with pytest.warns(UserWarning, match=r"PipelineTextEncoder \(Flux2KleinPipeline\): the prompt .* tokens, more"):
+        k.encode_batch(["a very long prompt " * 4])
+
+
+def test_flux2_pixels_decode_and_encode_as_the_pipeline_does(folders):
+    """FLUX.2's latents are normalised by its VAE's batch-norm statistics over the packed channels: the decoder
+    (the adapter's ``to_vae``) gives the pixels the pipeline's own ``__call__`` gives, and the encoder (``from_vae``)
+    the tokens of the pipeline's ``_encode_vae_image`` (the posterior's mode, patchified, normalised) and packing."""
+    from diffusers import Flux2KleinPipeline
+
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.decode import PixelDecoder, PixelEncoder
+
+    pipe = Flux2KleinPipeline.from_pretrained(folders["flux2-klein"])
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.vae.bn.running_mean.abs().sum() > 0  # the tiny VAE's statistics are not the identity
+    kwargs = dict(prompt=PROMPTS, num_inference_steps=2, height=16, width=32, guidance_scale=1.0)
+    kwargs.update(max_sequence_length=TEXT_LEN["flux2-klein"])
+    tokens: list[torch.Tensor] = []
+
+    def keep(p, i, t, k):  # the last step's latents: the tokens the pipeline then unpacks and decodes
+        tokens.append(k["latents"])
+        return {}
+
+    pixels = pipe(**kwargs, output_type="pt", generator=torch.Generator().manual_seed(3), callback_on_step_end=keep)
+    adapter = build_adapter(pipe.transformer, 8, True, 1, TEXT_LEN["flux2-klein"], image_width=16)
+    ours = PixelDecoder(pipe.vae, adapter, "cpu")(tokens[-1])
+    torch.testing.assert_close(ours, pixels.images, atol=1e-6, rtol=0)  # one float32 path
+
+    images = torch.rand(3, 3, 16, 32, generator=torch.Generator().manual_seed(0))
+    encoded = PixelEncoder(pipe.vae, adapter, "cpu")(images)
+    with torch.no_grad():
+        theirs = pipe._pack_latents(pipe._encode_vae_image(images * 2 - 1, generator=None))
+    assert encoded.shape == adapter.latent_shape(3) == theirs.shape
+    torch.testing.assert_close(encoded, theirs, atol=1e-6, rtol=0)  # the same ops
 
 
 def test_folder_checks(folders, tmp_path):
@@ -233,6 +304,20 @@ def test_folder_checks(folders, tmp_path):
     assert expert_names(c) == ("transformer", "transformer_2") and boundary_ratio(c) == 0.875
     c.model.pipeline = str(folders["wan"])
     assert expert_names(c) == ("transformer",) and boundary_ratio(c) is None
+    # a step-distilled FLUX.2 [klein] samples without CFG: guided rollouts are refused, unguided ones read it
+    distilled = tmp_path / "klein-distilled"
+    distilled.mkdir()
+    for entry in folders["flux2-klein"].iterdir():
+        (distilled / entry.name).symlink_to(entry)
+    index = json.loads((folders["flux2-klein"] / "model_index.json").read_text())
+    (distilled / "model_index.json").unlink()
+    (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    c = TrainConfig()
+    c.model.pipeline, c.flowgrpo.cfg_scale = str(distilled), 4.0
+    with pytest.raises(ConfigError, match=r"flowgrpo\.cfg_scale=4 but .* step-distilled Flux2KleinPipeline .* fix: "):
+        resolve_pipeline(c)
+    c.flowgrpo.cfg_scale = 1.0
+    assert resolve_pipeline(c) == "flux2"
 
 
 def test_tiny_writers_refuse_a_folder_without_weights(tmp_path, monkeypatch):

@@ -25,6 +25,8 @@ from sp_diffusers.planner.shapes import workload_from_pixels, workload_from_toke
         ("ltx-video", (512, 704, 161), 21 * 16 * 22),  # VAE 32x spatial, 8x temporal, patch 1
         ("cogvideox-5b", (480, 720, 49), 13 * 30 * 45),
         ("z-image-turbo", (1024, 1024, 1), 64 * 64),
+        ("flux.2-klein-4b", (1024, 1024, 1), 64 * 64),  # AutoencoderKLFlux2 8x, 2 x 2 packed per token
+        ("flux.2-dev", (1024, 768, 1), 64 * 48),
     ],
 )
 def test_tokens_follow_each_family_vae_and_patch(model, size, tokens):
@@ -114,6 +116,8 @@ def test_every_builtin_model_builds_from_its_config():
         "ltx-video": {"transformer_blocks": 28},
         "cogvideox-5b": {"transformer_blocks": 42},
         "z-image-turbo": {"layers": 30},
+        "flux.2-klein-4b": {"transformer_blocks": 5, "single_transformer_blocks": 20},
+        "flux.2-dev": {"transformer_blocks": 8, "single_transformer_blocks": 48},
         # image-conditioned (tests/test_plan_cond.py traces them with their condition)
         "qwen-image-edit": {"transformer_blocks": 60},
         "flux.1-kontext-dev": {"transformer_blocks": 19, "single_transformer_blocks": 38},
@@ -135,7 +139,7 @@ def test_every_builtin_family_traces_through_the_engine_at_world_size_8():
     from sp_diffusers.planner.trace import TraceRequest, block_lists, run_trace
 
     families = {spec.kind: spec for spec in BUILTIN.values() if spec.kind != "wan" and not spec.condition}
-    assert len(families) == 8
+    assert len(families) == 9
     for kind, spec in families.items():
         work = workload_from_tokens(spec, 1023, text_len=31)
         blocks = tuple((k, 1) for k in block_lists(spec))

@@ -134,3 +134,17 @@ def test_plan_rl_answers_for_z_image(capsys):
     out = json.loads(capsys.readouterr().out)
     (layout,) = out["layouts"]
     assert layout["iteration"] and out["recommended"] is not None
+
+
+def test_plan_rl_answers_for_flux2_klein(capsys):
+    """FLUX.2 [klein] 4B: the RL iteration calls its transformer through the trainer's FLUX.2 adapter (packed tokens,
+    batched 4-axis ids, no guidance embedding) at one small layout (CI time)."""
+    from sp_diffusers.cli import main
+
+    argv = ["plan", "--model", "flux.2-klein-4b", "--height", "256", "--width", "256", "--gpus", "8", "--ulysses", "2"]
+    argv += ["--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1", "--rl"]
+    argv += ["--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None

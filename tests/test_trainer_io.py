@@ -1,11 +1,11 @@
 """The trainer for real work, end to end at tiny size (the issue's done-when):
 
 a pipeline folder of each trained family (Qwen-Image, FLUX.1, SD3, Wan2.1, Wan2.2 with both experts, Z-Image,
-written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at Ulysses SP = 2 with a file-path reward on pixels
-and a .jsonl dataset with eval (Qwen-Image: 2 iterations, then resumed to 3 mid-epoch) -> ``sp-diffusers export``
--> plain diffusers, in a process that never imports sp_diffusers, reloads the export and reproduces the trained
-model's output; ``sp-diffusers sample`` renders a PNG under SP (base + LoRA, equal to the merged export) and a video
-for Wan. One process group trains every family; one plain process checks every export.
+FLUX.2 [klein], written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at Ulysses SP = 2 with a
+file-path reward on pixels and a .jsonl dataset with eval (Qwen-Image: 2 iterations, then resumed to 3 mid-epoch)
+-> ``sp-diffusers export`` -> plain diffusers, in a process that never imports sp_diffusers, reloads the export and
+reproduces the trained model's output; ``sp-diffusers sample`` renders a PNG under SP (base + LoRA, equal to the
+merged export) and a video for Wan. One process group trains every family; one plain process checks every export.
 
 Tolerance (fp32): the exported ``transformer/`` holds ``W + alpha / r * B A`` rounded once, where the trained model
 adds the base and LoRA outputs: different roundings of the same sum through a few layers, bounded by
@@ -29,7 +29,7 @@ from ._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = ROOT / "examples" / "rewards" / "simple_rewards.py"
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage")
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein")
 ROWS = [
     {"prompt": "a red cat", "color": "red"},
     {"prompt": "a green house", "color": "green"},
@@ -146,6 +146,7 @@ def test_plain_diffusers_reproduces_the_trained_model(exported, trained, family)
         "flux": "FluxPipeline",
         "sd3": "StableDiffusion3Pipeline",
         "zimage": "ZImagePipeline",
+        "flux2-klein": "Flux2KleinPipeline",
     }
     for r in results.values():
         bound = 1e-5 + 1e-5 * r["scale"]

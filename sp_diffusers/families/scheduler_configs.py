@@ -51,6 +51,22 @@ SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
         "shift": 3.0,
         "use_dynamic_shifting": False,
     },
+    # FLUX.2: black-forest-labs/FLUX.2-dev's scheduler_config.json, as its diffusers-staff copy
+    # (diffusers/FLUX.2-dev-bnb-4bit) and diffusers' scripts/convert_flux2_to_diffusers.py (FLUX.1-dev's scheduler
+    # for converted FLUX.2 pipelines) give it. FLUX.2-klein-4B's own file was not at hand: assumed the same.
+    # Flux2Pipeline / Flux2KleinPipeline pass linspace(1, 1/N, N) sigmas and their own mu
+    # (compute_empirical_mu(image tokens, N)): with use_dynamic_shifting only time_shift_type matters here.
+    "flux2": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "base_image_seq_len": 256,
+        "base_shift": 0.5,
+        "max_image_seq_len": 4096,
+        "max_shift": 1.15,
+        "num_train_timesteps": 1000,
+        "shift": 3.0,
+        "time_shift_type": "exponential",
+        "use_dynamic_shifting": True,
+    },
     # black-forest-labs/FLUX.1-dev scheduler_config.json (FluxPipeline passes linspace(1, 1/N, N) and mu)
     "flux": {
         "_class_name": "FlowMatchEulerDiscreteScheduler",

@@ -6,14 +6,15 @@ Nothing is downloaded. Sources (read when this file was written):
   diffusers' conversion scripts write them (``scripts/convert_wan_to_diffusers.py``,
   ``convert_hunyuan_video_to_diffusers.py``, ``convert_hunyuan_video1_5_to_diffusers.py`` (720p_t2v: target_size
   960, task_type t2v; the rest are the class defaults), ``convert_cogvideox_to_diffusers.py`` (1.0),
-  ``convert_ltx_to_diffusers.py``); the values equal the released config.json files.
+  ``convert_ltx_to_diffusers.py``, ``convert_flux2_to_diffusers.py`` (FLUX.2 [klein] 4B, [dev])); the values equal
+  the released config.json files.
 - VAE compression: the VAE class defaults in diffusers (``AutoencoderKLWan`` 8x spatial / 4x temporal,
   ``AutoencoderKLHunyuanVideo`` 8 / 4, ``AutoencoderKLHunyuanVideo15`` 16 / 4, ``AutoencoderKLLTXVideo`` 32 / 8,
-  ``AutoencoderKLCogVideoX`` 8 / 4; Qwen-Image, FLUX and SD3 8x spatial).
+  ``AutoencoderKLCogVideoX`` 8 / 4; Qwen-Image, FLUX.1, FLUX.2 (``AutoencoderKLFlux2``) and SD3 8x spatial).
 - text lengths: the ``max_sequence_length`` defaults of each pipeline's ``__call__`` (Wan 512, Qwen-Image 512
   (its cap), FLUX 512, HunyuanVideo 256, HunyuanVideo-1.5 1000 (MLLM; the byT5 stream is half of it here),
   SD3 77 CLIP + 256 T5 = 333, LTX-Video 128, CogVideoX 226, Z-Image 512 (its cap: the chat-templated prompt's
-  valid tokens, fewer for a short prompt)).
+  valid tokens, fewer for a short prompt), FLUX.2 512 (padded: every row seen)).
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from ..families.kinds import KINDS
-from .released_configs import FLUX_DEV, QWEN_IMAGE, QWEN_IMAGE_2512, WAN_14B, Z_IMAGE_TURBO
+from .released_configs import (
+    FLUX2_DEV,
+    FLUX2_KLEIN_4B,
+    FLUX_DEV,
+    QWEN_IMAGE,
+    QWEN_IMAGE_2512,
+    WAN_14B,
+    Z_IMAGE_TURBO,
+)
 
 __all__ = ["BUILTIN", "Family", "ModelSpec", "PlanError", "resolve_model"]
 
@@ -62,6 +71,7 @@ FAMILIES: dict[str, Family] = {
     "ltx": Family("ltx", 32, 8, 1, 1, 128, True),
     "cogvideox": Family("cogvideox", 8, 4, 2, 1, 226, True),
     "zimage": Family("zimage", 8, 1, 2, 1, 512, False),
+    "flux2": Family("flux2", 8, 1, 2, 1, 512, False),  # the pipelines pack 2 x 2 latents per token
 }
 
 
@@ -139,6 +149,23 @@ BUILTIN: dict[str, ModelSpec] = {
         FAMILIES["zimage"],
         source="Tongyi-MAI/Z-Image-Turbo",
         default_size=(1024, 1024, 1),
+    ),
+    "flux.2-klein-4b": ModelSpec(
+        "flux.2-klein-4b",
+        "flux2",
+        dict(FLUX2_KLEIN_4B),
+        FAMILIES["flux2"],
+        source="black-forest-labs/FLUX.2-klein-4B",
+        default_size=(1024, 1024, 1),
+    ),
+    "flux.2-dev": ModelSpec(
+        "flux.2-dev",
+        "flux2",
+        dict(FLUX2_DEV),
+        FAMILIES["flux2"],
+        source="black-forest-labs/FLUX.2-dev",
+        default_size=(1024, 1024, 1),
+        notes=("the trainer reads Flux2KleinPipeline folders; a Flux2Pipeline ([dev]) folder is not read yet",),
     ),
     "flux.1-dev": ModelSpec(
         "flux.1-dev",

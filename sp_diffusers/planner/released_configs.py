@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLUX_DEV", "QWEN_IMAGE", "QWEN_IMAGE_2512", "WAN_14B", "Z_IMAGE_TURBO"]
+__all__ = ["FLUX2_DEV", "FLUX2_KLEIN_4B", "FLUX_DEV", "QWEN_IMAGE", "QWEN_IMAGE_2512", "WAN_14B", "Z_IMAGE_TURBO"]
 
 WAN_14B: dict[str, Any] = {  # Wan-AI/Wan2.1-T2V-14B-Diffusers
     "patch_size": (1, 2, 2),
@@ -66,4 +66,32 @@ Z_IMAGE_TURBO: dict[str, Any] = {  # Tongyi-MAI/Z-Image-Turbo (S3-DiT, 6B; text:
     "t_scale": 1000.0,
     "axes_dims": (32, 48, 48),
     "axes_lens": (1536, 512, 512),
+}
+
+# FLUX.2: diffusers' scripts/convert_flux2_to_diffusers.py (get_flux2_transformer_config), which writes the released
+# transformer/config.json of each; in_channels = 4 x AutoencoderKLFlux2's 32 latent channels (2 x 2 packing),
+# joint_attention_dim = 3 stacked text-encoder layers side by side.
+FLUX2_KLEIN_4B: dict[str, Any] = {  # black-forest-labs/FLUX.2-klein-4B (and -base-4B): Qwen3-4B text, 3 x 2560
+    "patch_size": 1,
+    "in_channels": 128,
+    "num_layers": 5,
+    "num_single_layers": 20,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 7680,
+    "timestep_guidance_channels": 256,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": (32, 32, 32, 32),
+    "rope_theta": 2000,
+    "eps": 1e-6,
+    "guidance_embeds": False,
+}
+
+FLUX2_DEV: dict[str, Any] = {  # black-forest-labs/FLUX.2-dev: Mistral-Small-3.2-24B text, 3 x 5120; guidance-distilled
+    **FLUX2_KLEIN_4B,
+    "num_layers": 8,
+    "num_single_layers": 48,
+    "num_attention_heads": 48,
+    "joint_attention_dim": 15360,
+    "guidance_embeds": True,
 }

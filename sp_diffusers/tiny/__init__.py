@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import av_models, image_models, video_models, wan_variants  # noqa: F401  (each registers its kinds)
 from .pipelines import (
+    save_tiny_flux2_klein_pipeline,
     save_tiny_flux_pipeline,
     save_tiny_pipeline,
     save_tiny_qwenimage_pipeline,
@@ -27,6 +28,7 @@ __all__ = [
     "TINY_MODELS",
     "save_tiny_clip",
     "save_tiny_dino",
+    "save_tiny_flux2_klein_pipeline",
     "save_tiny_flux_pipeline",
     "save_tiny_pipeline",
     "save_tiny_qwenimage_pipeline",

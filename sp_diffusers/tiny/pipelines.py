@@ -21,6 +21,7 @@ from .text_parts import (
     save_pipeline,
     tiny_autoencoder_kl,
     tiny_clip_text,
+    tiny_flux2_vae,
     tiny_qwen3,
     tiny_qwen25vl,
     tiny_qwenimage_vae,
@@ -32,6 +33,7 @@ from .text_parts import (
 __all__ = [
     "PIPELINE_WRITERS",
     "WAN_SCHEDULER_CONFIG",
+    "save_tiny_flux2_klein_pipeline",
     "save_tiny_flux_pipeline",
     "save_tiny_pipeline",
     "save_tiny_qwenimage_pipeline",
@@ -151,6 +153,50 @@ def save_tiny_zimage_pipeline(
     return save_pipeline(pipe, folder)
 
 
+def save_tiny_flux2_klein_pipeline(
+    folder: str | os.PathLike,
+    seed: int = 0,
+    is_distilled: bool = False,
+    text_hidden: int = 16,
+    **transformer_overrides: Any,
+) -> Path:
+    """A tiny ``Flux2KleinPipeline`` shaped as FLUX.2 [klein] 4B: the tiny ``Flux2Transformer2DModel`` without a
+    guidance embedding (as released), ``in_channels`` = 4 x the VAE's latent channels (the pipeline packs each 2 x 2
+    patch of the ``AutoencoderKLFlux2`` latents into one token: released 4 x 32 = 128) and ``joint_attention_dim``
+    = 3 x the text width (the pipeline stacks Qwen3's hidden states 9, 18 and 27: released 3 x 2560 = 7680); a
+    28-layer ``Qwen3ForCausalLM`` ``text_hidden`` wide with a character tokenizer and a Qwen-style chat template;
+    FLUX.2's scheduler config. ``is_distilled``: the step-distilled [klein] (the pipeline then runs no CFG at any
+    ``guidance_scale``); False: [klein] Base, which guides with CFG at ``guidance_scale > 1``."""
+    import diffusers
+
+    if not hasattr(diffusers, "Flux2KleinPipeline"):
+        raise ValueError(
+            f"save_tiny_flux2_klein_pipeline: diffusers {diffusers.__version__} has no Flux2KleinPipeline (added in "
+            "0.37); fix: diffusers >= 0.37"
+        )
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+
+    overrides: dict[str, Any] = {"guidance_embeds": False, "joint_attention_dim": 3 * text_hidden}
+    overrides.update(transformer_overrides)
+    transformer = tiny_model("flux2", seed=seed, **overrides)
+    cfg = transformer.config
+    if cfg.in_channels % 4 or cfg.joint_attention_dim != 3 * text_hidden:
+        raise ValueError(
+            f"save_tiny_flux2_klein_pipeline: in_channels={cfg.in_channels} must be 4 x the VAE's latent channels and "
+            f"joint_attention_dim={cfg.joint_attention_dim} must be 3 x text_hidden={text_hidden} (three stacked "
+            "Qwen3 layers); fix: in_channels a multiple of 4, joint_attention_dim left out"
+        )
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("flux2")),
+        vae=tiny_flux2_vae(seed + 2, cfg.in_channels // 4),
+        text_encoder=tiny_qwen3(seed + 1, text_hidden, layers=28, causal_lm=True),
+        tokenizer=chat_tokenizer(1024),
+        transformer=transformer,
+        is_distilled=is_distilled,
+    )
+    return save_pipeline(pipe, folder)
+
+
 # family -> writer: the families the trainer reads from a pipeline folder (wan2.2: save_tiny_wan_pipeline(experts=2))
 PIPELINE_WRITERS = {
     "qwenimage": save_tiny_qwenimage_pipeline,
@@ -158,6 +204,7 @@ PIPELINE_WRITERS = {
     "sd3": save_tiny_sd3_pipeline,
     "wan": save_tiny_wan_pipeline,
     "zimage": save_tiny_zimage_pipeline,
+    "flux2-klein": save_tiny_flux2_klein_pipeline,
 }
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "save_tiny_clip",
     "tiny_autoencoder_kl",
     "tiny_clip_text",
+    "tiny_flux2_vae",
     "tiny_qwen3",
     "tiny_qwen25vl",
     "tiny_qwenimage_vae",
@@ -194,16 +195,20 @@ def qwen25vl(seed: int, hidden: int, vocab: int, max_positions: int, vision: dic
     return _seeded(seed, lambda: Qwen2_5_VLForConditionalGeneration(config)).eval()
 
 
-def tiny_qwen3(seed: int, hidden: int = 32, max_positions: int = 1024) -> Any:
-    """``Qwen3Model`` (Z-Image's text encoder class: the pipeline reads ``hidden_states[-2]``), ``hidden`` wide, two
-    layers (so the second-to-last hidden state is a layer's output, not the embeddings), over :data:`CHAT_WORDS`."""
-    from transformers import Qwen3Config, Qwen3Model
+def tiny_qwen3(
+    seed: int, hidden: int = 32, max_positions: int = 1024, layers: int = 2, causal_lm: bool = False
+) -> Any:
+    """A Qwen3 text encoder, ``hidden`` wide, ``layers`` layers, over :data:`CHAT_WORDS`: ``Qwen3Model`` (Z-Image's
+    class: its pipeline reads ``hidden_states[-2]``, so two layers make that a layer's output, not the embeddings),
+    or with ``causal_lm`` ``Qwen3ForCausalLM`` (FLUX.2 [klein]'s class: its pipeline stacks ``hidden_states`` 9, 18
+    and 27, so it needs at least 27 layers; 28 keep all three intermediate, as in the released 36-layer Qwen3-4B)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
     config = Qwen3Config(
         vocab_size=len(CHAT_WORDS),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=hidden // 2,
@@ -212,7 +217,8 @@ def tiny_qwen3(seed: int, hidden: int = 32, max_positions: int = 1024) -> Any:
         bos_token_id=1,
         eos_token_id=2,
     )
-    return _seeded(seed, lambda: Qwen3Model(config)).eval()
+    cls = Qwen3ForCausalLM if causal_lm else Qwen3Model
+    return _seeded(seed, lambda: cls(config)).eval()
 
 
 def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
@@ -281,6 +287,36 @@ def tiny_autoencoder_kl(seed: int, latent_channels: int, scaling: float, shift: 
             use_post_quant_conv=False,
         ),
     )
+
+
+def tiny_flux2_vae(seed: int, latent_channels: int) -> Any:
+    """``AutoencoderKLFlux2`` (FLUX.2's VAE) compressing 2x spatially, ``latent_channels`` (the pipeline packs each
+    2 x 2 patch into one token of 4 x as many channels). Its batch-norm statistics (over those patched channels: what
+    the FLUX.2 pipelines normalise latents with) are set away from 0 / 1, so a trainer that skips or misorders them is
+    caught."""
+    from diffusers import AutoencoderKLFlux2
+
+    def build() -> Any:
+        vae = AutoencoderKLFlux2(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            latent_channels=latent_channels,
+            norm_num_groups=4,
+            sample_size=16,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        n = vae.bn.num_features
+        with torch.no_grad():
+            vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.4, n))
+            vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, n))
+        return vae
+
+    return _seeded(seed, build)
 
 
 def _latent_stats(z_dim: int) -> dict[str, list[float]]:

@@ -57,6 +57,12 @@ def _config(
         # chat template (each caption's valid tokens), its scheduler config; 6 heads: Ulysses 2 and 3 divide them
         c.model.kind, c.model.pretrained = "zimage", f"{pipeline}/transformer"
         c.text.pipeline, c.text.max_sequence_length = pipeline, 64
+    if kind == "flux2_klein_pipeline":
+        # a real Flux2KleinPipeline folder: transformer from_pretrained (packed 2 x 2 tokens, batched 4-axis ids, no
+        # guidance embedding), prompts through its chat template and Qwen3's stacked layers 9 / 18 / 27 (64 rows, all
+        # attended), its scheduler config and compute_empirical_mu; 6 heads: Ulysses 2 and 3 divide them
+        c.model.kind, c.model.pretrained = "flux2", f"{pipeline}/transformer"
+        c.text.pipeline, c.text.max_sequence_length = pipeline, 64
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.parallel.dp_replicate = replicate

@@ -49,6 +49,7 @@ PIPELINE_CLASSES = {
     "sd3": "StableDiffusion3Pipeline",
     "wan": "WanPipeline",
     "zimage": "ZImagePipeline",
+    "flux2": "Flux2KleinPipeline",  # its LoRA file (Flux2LoraLoaderMixin, which Flux2Pipeline shares)
 }
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

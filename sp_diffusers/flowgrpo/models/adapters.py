@@ -1,10 +1,10 @@
 """How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs (FLUX.1:
-``flux.py``; Z-Image: ``zimage.py``).
+``flux.py``; FLUX.2: ``flux2.py``; Z-Image: ``zimage.py``).
 
-Latents keep the family's own layout (Qwen-Image: packed tokens ``[B, L, C]``; SD3, Z-Image: ``[B, C, H, W]``; Wan:
-video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments (image grid, ids) and how
-the pipeline hands the schedule's timestep (0..1000 scale) to its transformer. ``reward_view`` gives the rewards
-channels-last latents (``[B, L, C]`` for images, ``[B, F, H, W, C]`` for video).
+Latents keep the family's own layout (Qwen-Image, FLUX.1, FLUX.2: packed tokens ``[B, L, C]``; SD3, Z-Image:
+``[B, C, H, W]``; Wan: video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments
+(image grid, ids) and how the pipeline hands the schedule's timestep (0..1000 scale) to its transformer.
+``reward_view`` gives the rewards channels-last latents (``[B, L, C]`` for images, ``[B, F, H, W, C]`` for video).
 """
 
 from __future__ import annotations
@@ -18,9 +18,18 @@ from torch import Tensor
 from .base import FamilyAdapter
 from .decode import PackedTokens, pack_2x2, unpack_2x2
 from .flux import FluxAdapter, flux_adapter
+from .flux2 import Flux2Adapter, flux2_adapter
 from .zimage import ZImageAdapter, zimage_adapter
 
-__all__ = ["FluxAdapter", "QwenImageAdapter", "SD3Adapter", "WanAdapter", "ZImageAdapter", "build_adapter"]
+__all__ = [
+    "Flux2Adapter",
+    "FluxAdapter",
+    "QwenImageAdapter",
+    "SD3Adapter",
+    "WanAdapter",
+    "ZImageAdapter",
+    "build_adapter",
+]
 
 
 @dataclass(frozen=True)
@@ -177,11 +186,12 @@ def build_adapter(
     text_len: int = 512,
     guidance_scale: float = 3.5,
     image_width: int = 0,
-) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter | ZImageAdapter:
+) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter | Flux2Adapter | ZImageAdapter:
     """The adapter for ``model`` at latent height ``image_size`` and width ``image_width`` (0: ``image_size``; before
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
-    projection input itself; ``text_len``: the text length a Wan or Flux pipeline pads prompts to
-    (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's embedded guidance (``flowgrpo.guidance_scale``)."""
+    projection input itself; ``text_len``: the text length a Wan, FLUX.1 or FLUX.2 pipeline pads prompts to
+    (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's and FLUX.2 [dev]'s embedded guidance
+    (``flowgrpo.guidance_scale``)."""
     from ...families.kinds import class_name
     from ...patching.compat import diffusers_version
 
@@ -195,7 +205,7 @@ def build_adapter(
             raise ValueError(
                 f"{what} must be a multiple of the patch size {patch_h if patch_h == patch_w else (patch_h, patch_w)} "
                 "(the latent height x width; "
-                "FLUX.1: 2 x 2, its pipeline packs 2 x 2 latents into a token)"
+                "FLUX.1, FLUX.2: 2 x 2, their pipelines pack 2 x 2 latents into a token)"
             )
 
     if name == "QwenImageTransformer2DModel":
@@ -209,6 +219,9 @@ def build_adapter(
     if name == "FluxTransformer2DModel":
         check(2, 2)  # FluxPipeline packs 2 x 2 latents into one token
         return flux_adapter(model, h, w, pooled_from_encoder, text_len, guidance_scale)
+    if name == "Flux2Transformer2DModel":
+        check(2, 2)  # the FLUX.2 pipelines pack 2 x 2 latents into one token
+        return flux2_adapter(model, h, w, text_len, guidance_scale)
     if name == "SD3Transformer2DModel":
         check(config.patch_size, config.patch_size)
         if not pooled_from_encoder and config.joint_attention_dim != config.pooled_projection_dim:
@@ -233,6 +246,6 @@ def build_adapter(
         return zimage_adapter(model, h, w)
     raise ValueError(
         f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
-        "SD3Transformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel (add one in "
+        "Flux2Transformer2DModel, SD3Transformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel (add one in "
         "sp_diffusers/flowgrpo/models/adapters.py)"
     )

@@ -3,6 +3,8 @@ conditioned on text alone (an editing or image-to-video adapter overrides them).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["FamilyAdapter"]
@@ -16,3 +18,17 @@ class FamilyAdapter:
     def final_latents(self, latents: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
         """The latents a denoising run ends with, as the family's pipeline hands them to its VAE."""
         return latents
+
+    def to_vae(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
+        """The trainer's latents -> what ``vae.decode`` takes, as the family's pipeline prepares them: its layout
+        (``vae_latents``), then the VAE config's normalisation undone (``decode.denormalize``). FLUX.2 overrides it
+        (batch-norm statistics over the packed channels)."""
+        from .decode import denormalize
+
+        return denormalize(vae, self.vae_latents(latents))
+
+    def from_vae(self, vae: Any, z: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_vae`: a VAE posterior's latents -> the trainer's (normalised, in its layout)."""
+        from .decode import normalize
+
+        return self.from_vae_latents(normalize(vae, z))

@@ -5,7 +5,8 @@ Each adapter says how its latents reach the VAE (``adapter.vae_latents``: Qwen-I
 SD3 and Wan pass them as they are) and how the decoded tensor is laid out for rewards (``adapter.pixel_layout``:
 ``[b, 3, H, W]``, video ``[b, F, 3, H, W]``). The VAE's own config says how the latents were normalised:
 ``latents_mean`` / ``latents_std`` (Qwen-Image's and Wan's VAEs: ``z * std + mean``) or ``scaling_factor`` /
-``shift_factor`` (SD3's and Flux's: ``z / scaling + shift``), exactly as the pipelines undo it before ``decode``.
+``shift_factor`` (SD3's and Flux's: ``z / scaling + shift``), exactly as the pipelines undo it before ``decode``
+(``adapter.to_vae``; FLUX.2's adapter undoes its VAE's batch-norm statistics over the packed tokens instead).
 """
 
 from __future__ import annotations
@@ -107,8 +108,9 @@ class PixelDecoder:
     def __call__(self, latents: torch.Tensor) -> torch.Tensor:
         out = []
         for part in latents.split(self.chunk):
-            z = self.adapter.vae_latents(part).to(self.device, self.dtype)
-            x = self.vae.decode(denormalize(self.vae, z), return_dict=False)[0]
+            # the family's layout and normalisation undone (adapter.to_vae), in the VAE's dtype
+            z = self.adapter.to_vae(self.vae, part.to(self.device, self.dtype))
+            x = self.vae.decode(z, return_dict=False)[0]
             out.append(self.adapter.pixel_layout((x.float() / 2 + 0.5).clamp(0, 1)))
         return torch.cat(out)
 
@@ -129,5 +131,5 @@ class PixelEncoder:
         for part in pixels.split(self.chunk):
             x = self.adapter.vae_pixels(part * 2.0 - 1.0).to(self.device, self.dtype)
             z = self.vae.encode(x).latent_dist.mode()
-            out.append(self.adapter.from_vae_latents(normalize(self.vae, z.float())))
+            out.append(self.adapter.from_vae(self.vae, z.float()))
         return torch.cat(out)

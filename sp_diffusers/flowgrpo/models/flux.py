@@ -22,10 +22,11 @@ from torch import Tensor
 
 from .decode import PackedTokens, pack_2x2, unpack_2x2
 
-__all__ = ["FluxAdapter", "flux_adapter"]
+__all__ = ["FluxAdapter", "fixed_length", "flux_adapter"]
 
 
-def _fixed_length(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> torch.Tensor:
+def fixed_length(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> torch.Tensor:
+    """``embeds`` with masked rows zeroed, cut or zero-padded to ``length`` rows (what a maskless transformer sees)."""
     text = embeds * mask.to(embeds.dtype)[..., None]
     if text.shape[1] >= length:
         return text[:, :length]
@@ -59,7 +60,7 @@ class FluxAdapter(PackedTokens):
         self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
     ) -> dict[str, Any]:
         batch, dtype, device = latents.shape[0], latents.dtype, latents.device
-        text = _fixed_length(embeds, mask, self.text_len)
+        text = fixed_length(embeds, mask, self.text_len)
         if pooled is None:  # the masked mean of the text (the built-in encoder has no CLIP)
             weights = mask.to(embeds.dtype)[..., None]
             pooled = (embeds * weights).sum(1) / weights.sum(1).clamp_min(1.0)

@@ -41,6 +41,7 @@ PIPELINE_FAMILIES = {
     "StableDiffusion3Pipeline": "sd3",
     "WanPipeline": "wan",
     "ZImagePipeline": "zimage",
+    "Flux2KleinPipeline": "flux2",
     "QwenImageEditPipeline": "qwenimage",
     "QwenImageEditPlusPipeline": "qwenimage",
     "FluxKontextPipeline": "flux",
@@ -100,6 +101,7 @@ def _pipeline_family(config: TrainConfig) -> tuple[str, dict[str, Any]]:
             "of those, or model.pretrained=<its transformer folder> with model.kind"
         )
     family = PIPELINE_FAMILIES[name]
+    _check_distilled(config, name, index)
     if c.kind and c.kind != family:
         wanted = next((p for p, k in PIPELINE_FAMILIES.items() if k == c.kind), f"{KINDS.get(c.kind, c.kind)} pipeline")
         raise _mismatch(c.kind, "model.pipeline", c.pipeline, f"a {name} folder", family, f"a {wanted} folder")
@@ -112,6 +114,20 @@ def _pipeline_family(config: TrainConfig) -> tuple[str, dict[str, Any]]:
             f"model.kind {family!r} trains; fix: a {name} folder with its own transformer class"
         )
     return family, index
+
+
+def _check_distilled(config: TrainConfig, name: str, index: dict[str, Any]) -> None:
+    """A step-distilled FLUX.2 [klein] (``is_distilled`` in its pipeline config) samples without classifier-free
+    guidance at any ``guidance_scale``: a run that guides its rollouts would train a policy the pipeline never
+    samples."""
+    g = config.flowgrpo.cfg_scale
+    if index.get("is_distilled") and g > 1.0:
+        raise ConfigError(
+            f"flowgrpo.cfg_scale={g:g} but model.pipeline={config.model.pipeline!r} is a step-distilled {name} "
+            "(model_index.json: is_distilled true), which samples without classifier-free guidance at any "
+            "guidance_scale; the rollouts would guide a policy the pipeline never runs; fix: flowgrpo.cfg_scale=1, "
+            "or a [klein] Base folder (is_distilled false; its pipeline guides at guidance_scale g > 1: cfg_scale g)"
+        )
 
 
 def _pretrained_family(config: TrainConfig) -> str:

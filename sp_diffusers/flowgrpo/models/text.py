@@ -166,7 +166,10 @@ class PipelineTextEncoder:
     masks are all True. ``QwenImagePipeline``: Qwen2.5-VL's last hidden states after the template, ragged, with a
     mask (its transformer masks the padding). ``ZImagePipeline``: Qwen3's second-to-last hidden states of the
     chat-templated prompt (``enable_thinking=True``) tokenised to ``max_sequence_length``, each prompt's valid tokens
-    (ragged, with a mask: the adapter cuts the rows back to it). Frozen, no gradients.
+    (ragged, with a mask: the adapter cuts the rows back to it). ``Flux2KleinPipeline``: Qwen3's hidden states 9, 18
+    and 27 of the chat-templated prompt (``enable_thinking=False``) padded to ``max_sequence_length``, stacked per
+    token (3 x the encoder's width); its transformer attends to every row, padding included (masks all True).
+    Frozen, no gradients.
 
     The editing and image-to-video pipelines (``CONDITIONED``) keep their VAE (and Wan2.1 I2V its CLIP image encoder):
     the family's adapter prepares the condition with them (``conditioning.py``); Qwen-Image-Edit's prompts are read
@@ -186,6 +189,7 @@ class PipelineTextEncoder:
         "QwenImagePipeline",
         "FluxPipeline",
         "ZImagePipeline",
+        "Flux2KleinPipeline",
         *CONDITIONED,
     )
 
@@ -252,6 +256,9 @@ class PipelineTextEncoder:
         if self.text_family in ("QwenImagePipeline", "ZImagePipeline"):
             config = self.pipe.text_encoder.config
             return int(getattr(config, "text_config", config).hidden_size)
+        if self.text_family == "Flux2KleinPipeline":  # the stacked layers' widths side by side
+            config = self.pipe.text_encoder.config
+            return len(self._flux2_layers()) * int(getattr(config, "text_config", config).hidden_size)
         encoder = {"WanPipeline": "text_encoder", "FluxPipeline": "text_encoder_2"}.get(self.text_family, "text_encoder_3")
         return int(getattr(self.pipe, encoder).config.d_model)
 
@@ -295,6 +302,8 @@ class PipelineTextEncoder:
                 f"{prefix}prompt_embeds": embeds,
                 f"{prefix}prompt_embeds_mask": [torch.ones(e.shape[0], dtype=torch.bool) for e in embeds],
             }
+        if self.text_family == "Flux2KleinPipeline":
+            return self._dense(prefix, self._flux2(prompts))
         if self.text_family == "FluxPipeline":
             # CLIP pooled + T5 padded to max_sequence_length: the transformer attends to every T5 row
             embeds, pooled, _ = self.pipe.encode_prompt(
@@ -337,6 +346,36 @@ class PipelineTextEncoder:
                         "text.max_sequence_length (chat template included)",
                     )
         return [e.float().cpu() for e in embeds]
+
+    def _flux2_layers(self) -> tuple[int, ...]:
+        """The text-encoder layers ``encode_prompt`` stacks by default (its ``text_encoder_out_layers``; [klein]:
+        9, 18, 27), as ``__call__`` passes them."""
+        import inspect
+
+        return tuple(inspect.signature(self.pipe.encode_prompt).parameters["text_encoder_out_layers"].default)
+
+    def _flux2(self, prompts: list[str]) -> torch.Tensor:
+        """FLUX.2 [klein]'s ``encode_prompt``: ``[B, max_sequence_length, 3 D]``, every row as the pipeline gives its
+        transformer (padding rows included). A prompt whose chat template is cut at ``max_sequence_length``: said
+        once (the pipeline cuts it without a word)."""
+        embeds, _ = self.pipe.encode_prompt(
+            prompt=list(prompts), device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        for prompt in prompts:
+            messages = [{"role": "user", "content": prompt}]
+            text = self.pipe.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+            )
+            n = len(self.pipe.tokenizer(text).input_ids)
+            if n > self.max_sequence_length:
+                warn_truncated(
+                    f"PipelineTextEncoder ({self.pipeline_class})",
+                    prompt,
+                    n,
+                    self.max_sequence_length,
+                    "text.max_sequence_length (chat template included)",
+                )
+        return embeds
 
     def _qwen(self, prompts: list[str] | str, image: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Qwen-Image(-Edit)'s ``encode_prompt``: ragged, as the pipeline gives its transformer (each prompt's rows,

@@ -20,6 +20,9 @@ keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer time
     3), and from diffusers 0.40 ``set_timesteps(sigmas=get_default_z_image_sigmas(N), mu)`` (``linspace(1, 1/N,
     N)``); before 0.40 the pipeline set ``sigma_min = 0`` and called ``set_timesteps(N, mu)``: its last step is at
     sigma 0 and moves nothing. Whichever the installed pipeline does is what this does.
+  - FLUX.2 (``Flux2KleinPipeline``, ``Flux2Pipeline``): ``set_timesteps(sigmas=linspace(1, 1/N, N), mu)`` (no
+    sigmas where the config sets ``use_flow_sigmas``) with the pipelines' own ``compute_empirical_mu(image tokens,
+    N)`` (it depends on the step count too; the config's base / max shift are not read).
 
 - ``linspace`` schedules are DanceGRPO's (and verl-omni's ``dance_grpo``):
   ``sigmas = shift(linspace(1, 0, N + 1))`` computed in float32, and the model timestep ``int(1000 sigma)``
@@ -143,13 +146,13 @@ def pipeline_schedule(
     image_seq_len: int | None = None,
     shift: float | None = None,
 ) -> Schedule:
-    """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``flux``, ``wan``, ``zimage``)
-    samples with.
+    """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``flux``, ``flux2``, ``wan``,
+    ``zimage``) samples with.
 
     Args:
         scheduler_config: the pipeline's scheduler config (``load_scheduler_config``); None: the family default.
-        image_seq_len: image tokens per sample (after patching); the ``mu`` of Qwen-Image, FLUX.1, Z-Image and a
-            dynamically shifted SD3 depend on it.
+        image_seq_len: image tokens per sample (after patching); the ``mu`` of Qwen-Image, FLUX.1, FLUX.2, Z-Image
+            and a dynamically shifted SD3 depend on it.
         shift: replaces the config's static shift (``shift``, or UniPC's ``flow_shift``); None keeps it.
     """
     if kind not in SCHEDULER_DEFAULTS:
@@ -169,9 +172,11 @@ def pipeline_schedule(
         train = _shifted_grid(int(c.get("num_train_timesteps", 1000)), float(c.get("flow_shift", 1.0)))
     dynamic = name == "FlowMatchEulerDiscreteScheduler" and bool(c.get("use_dynamic_shifting", False))
     flux_like = kind in ("qwenimage", "flux")  # both pipelines pass linspace(1, 1/N, N) sigmas and mu
-    if flux_like or kind == "zimage" or (kind == "sd3" and dynamic):
-        if image_seq_len is None:
-            raise ValueError(f"the {kind} pipeline schedule depends on the image tokens: pass image_seq_len")
+    if (flux_like or kind in ("zimage", "flux2") or (kind == "sd3" and dynamic)) and image_seq_len is None:
+        raise ValueError(f"the {kind} pipeline schedule depends on the image tokens: pass image_seq_len")
+    if kind == "flux2":  # the FLUX.2 pipelines' own mu, of the image tokens and the step count
+        mu = _flux2_mu(image_seq_len, num_steps)
+    elif flux_like or kind == "zimage" or (kind == "sd3" and dynamic):
         # the pipelines' calculate_shift fallbacks differ (Qwen-Image 1.15, SD3 1.16 as max_shift)
         mu = qwenimage_mu(
             image_seq_len,
@@ -182,7 +187,7 @@ def pipeline_schedule(
         )
     else:
         mu = None
-    if flux_like:
+    if flux_like or (kind == "flux2" and not c.get("use_flow_sigmas", False)):
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
     elif kind == "zimage":
         _set_zimage_timesteps(scheduler, num_steps, mu)
@@ -208,6 +213,14 @@ def _set_zimage_timesteps(scheduler: Any, num_steps: int, mu: float | None) -> N
     else:  # the pipeline stretched the scheduler's range to sigma 0 first
         scheduler.sigma_min = 0.0
         scheduler.set_timesteps(num_steps, mu=mu)
+
+
+def _flux2_mu(image_seq_len: int, num_steps: int) -> float:
+    """``mu`` as the installed ``Flux2KleinPipeline.__call__`` / ``Flux2Pipeline.__call__`` compute it
+    (``compute_empirical_mu``: an empirical fit in the image tokens and the step count)."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    return compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
 
 
 def _shifted_grid(num_train_timesteps: int, shift: float) -> torch.Tensor:
