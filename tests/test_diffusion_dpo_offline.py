@@ -89,10 +89,12 @@ def test_pair_latents_refuse_another_size_and_the_same_picture_and_encode_once(t
             PairLatents(encode, (16, 16), "flowgrpo.dpo.pairs")(bad)
 
 
-@pytest.mark.parametrize("family", ["qwenimage", "flux"])
+@pytest.mark.parametrize("family", ["qwenimage", "flux", "zimage"])
 def test_pixel_encoder_encodes_as_the_pipeline_does(tmp_path, family):
     """Our encoder against the pipeline's own parts: ``vae.encode(...).latent_dist.mode()``, the VAE config's
-    normalisation, ``pipeline._pack_latents``; and ``pack_2x2`` inverts ``unpack_2x2``."""
+    normalisation, ``pipeline._pack_latents`` (Z-Image keeps ``[B, C, H, W]``: the inverse of its decode's
+    ``z / scaling + shift``); and ``pack_2x2`` inverts ``unpack_2x2``. FLUX.2's encoder is held in
+    tests/test_pipeline_io.py (its batch-norm statistics)."""
     import diffusers
 
     from sp_diffusers.flowgrpo.models.adapters import build_adapter
@@ -100,7 +102,8 @@ def test_pixel_encoder_encodes_as_the_pipeline_does(tmp_path, family):
     from sp_diffusers.tiny import save_tiny_pipeline
 
     folder = save_tiny_pipeline(family, tmp_path / family, num_layers=1)
-    pipe_cls = diffusers.QwenImagePipeline if family == "qwenimage" else diffusers.FluxPipeline
+    pipe_cls = {"qwenimage": diffusers.QwenImagePipeline, "flux": diffusers.FluxPipeline}.get(family)
+    pipe_cls = pipe_cls or diffusers.ZImagePipeline
     pipe = pipe_cls.from_pretrained(folder)
     adapter = build_adapter(pipe.transformer, 8, pooled_from_encoder=True, frames=1, text_len=16, guidance_scale=3.5)
     factor = pipe.vae_scale_factor
@@ -116,6 +119,10 @@ def test_pixel_encoder_encodes_as_the_pipeline_does(tmp_path, family):
         else:
             z = pipe.vae.encode(x).latent_dist.mode()
             z = (z - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+        if family == "zimage":
+            torch.testing.assert_close(ours, z, atol=1e-6, rtol=0)
+            assert ours.shape == adapter.latent_shape(3)
+            return
         theirs = pipe._pack_latents(z, 3, z.shape[1], z.shape[2], z.shape[3])
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)  # the same ops
     assert torch.equal(pack_2x2(unpack_2x2(ours, 8 // 2, 8 // 2)), ours)
@@ -155,7 +162,7 @@ def test_offline_dpo_raises_the_held_out_margin_against_an_lr_0_control(tmp_path
     "sets, match",
     [
         ({}, "model.pipeline is empty"),
-        ({"model.pipeline": "p", "model.kind": "zimage"}, "model.kind=zimage: offline pairs are read for qwenimage"),
+        ({"model.pipeline": "p", "model.kind": "ltx"}, "model.kind=ltx: offline pairs are read for qwenimage"),
         ({"model.pipeline": "p", "data.train": "t.jsonl"}, "flowgrpo.dpo.pairs and data.train are both set"),
     ],
     ids=["no_pipeline", "family_without_pairs", "with_data_train"],

@@ -41,7 +41,7 @@ from .old_policy import OldPolicy
 
 __all__ = ["DiffusionDPO", "check_pair_family", "dpo_loss", "logit_normal_index", "online_pairs"]
 
-PAIR_KINDS = ("qwenimage", "flux", "sd3", "wan")  # the families whose offline pairs are read (wan: videos)
+PAIR_KINDS = ("qwenimage", "flux", "flux2", "sd3", "wan", "zimage")  # the families whose offline pairs are read (wan: videos)
 LOGIT_MEAN, LOGIT_STD = 0.0, 1.0  # the reference's logit-normal timestep density (fixed there too)
 
 
