@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .latent_scale import denormalize, normalize
+
 __all__ = ["FamilyAdapter"]
 
 
@@ -21,14 +23,10 @@ class FamilyAdapter:
 
     def to_vae(self, vae: Any, latents: torch.Tensor) -> torch.Tensor:
         """The trainer's latents -> what ``vae.decode`` takes, as the family's pipeline prepares them: its layout
-        (``vae_latents``), then the VAE config's normalisation undone (``decode.denormalize``). FLUX.2 overrides it
-        (batch-norm statistics over the packed channels)."""
-        from .decode import denormalize
-
+        (``vae_latents``), then the VAE config's normalisation undone (``latent_scale.denormalize``). FLUX.2
+        overrides it (batch-norm statistics over the packed channels)."""
         return denormalize(vae, self.vae_latents(latents))
 
     def from_vae(self, vae: Any, z: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`to_vae`: a VAE posterior's latents -> the trainer's (normalised, in its layout)."""
-        from .decode import normalize
-
         return self.from_vae_latents(normalize(vae, z))

@@ -5,7 +5,7 @@ Each adapter says how its latents reach the VAE (``adapter.vae_latents``: Qwen-I
 SD3 and Wan pass them as they are) and how the decoded tensor is laid out for rewards (``adapter.pixel_layout``:
 ``[b, 3, H, W]``, video ``[b, F, 3, H, W]``). The VAE's own config says how the latents were normalised:
 ``latents_mean`` / ``latents_std`` (Qwen-Image's and Wan's VAEs: ``z * std + mean``) or ``scaling_factor`` /
-``shift_factor`` (SD3's and Flux's: ``z / scaling + shift``), exactly as the pipelines undo it before ``decode``
+``shift_factor`` (SD3's and Flux's: ``z / scaling + shift``; ``latent_scale.py``), exactly as the pipelines undo it before ``decode``
 (``adapter.to_vae``; FLUX.2's adapter undoes its VAE's batch-norm statistics over the packed tokens instead).
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from .base import FamilyAdapter
 
-__all__ = ["PackedTokens", "PixelDecoder", "PixelEncoder", "denormalize", "normalize", "pack_2x2", "unpack_2x2"]
+__all__ = ["PackedTokens", "PixelDecoder", "PixelEncoder", "pack_2x2", "unpack_2x2"]
 
 
 def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
@@ -62,46 +62,15 @@ class PackedTokens(FamilyAdapter):
         return latents
 
 
-def _latent_stats(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The VAE config's per-channel ``(latents_mean, latents_std)`` shaped to broadcast over ``z`` (Qwen-Image's and
-    Wan's VAEs), or None where it scales by ``scaling_factor`` / ``shift_factor`` (SD3's and Flux's)."""
-    cfg = vae.config
-    mean = getattr(cfg, "latents_mean", None)
-    if mean is None:
-        return None
-    shape = (1, len(mean)) + (1,) * (z.ndim - 2)
-    m = torch.tensor(mean, dtype=z.dtype, device=z.device).view(shape)
-    return m, torch.tensor(cfg.latents_std, dtype=z.dtype, device=z.device).view(shape)
-
-
-def denormalize(vae: Any, z: torch.Tensor) -> torch.Tensor:
-    """The pipeline's latents -> the VAE's latent scale (what ``vae.decode`` takes)."""
-    stats = _latent_stats(vae, z)
-    if stats is not None:
-        m, s = stats
-        return z * s + m
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return z / vae.config.scaling_factor + shift
-
-
-def normalize(vae: Any, z: torch.Tensor) -> torch.Tensor:
-    """The VAE's latent scale -> the pipeline's latents (the inverse of :func:`denormalize`, as the pipelines
-    normalise an encoded image)."""
-    stats = _latent_stats(vae, z)
-    if stats is not None:
-        m, s = stats
-        return (z - m) / s
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return (z - shift) * vae.config.scaling_factor
-
-
 class PixelDecoder:
     """``decoder(latents [b, ...]) -> pixels`` float32 in [0, 1] (``[b, 3, H, W]`` or ``[b, F, 3, H, W]``), decoding
     ``chunk`` samples at a time on ``device`` in the VAE's dtype (a video VAE's activations are large)."""
 
     def __init__(self, vae: torch.nn.Module, adapter: Any, device: torch.device | str, chunk: int = 1) -> None:
         self.vae = vae.to(device).eval().requires_grad_(False)
-        self.adapter, self.device, self.chunk = adapter, torch.device(device), max(1, int(chunk))
+        # a family whose VAE decodes / encodes only so many samples at once caps the chunk (vae_batch)
+        self.adapter, self.device = adapter, torch.device(device)
+        self.chunk = max(1, min(int(chunk), getattr(adapter, "vae_batch", None) or int(chunk)))
         self.dtype = next(self.vae.parameters()).dtype
 
     @torch.no_grad()
@@ -122,7 +91,9 @@ class PixelEncoder:
 
     def __init__(self, vae: torch.nn.Module, adapter: Any, device: torch.device | str, chunk: int = 1) -> None:
         self.vae = vae.to(device).eval().requires_grad_(False)
-        self.adapter, self.device, self.chunk = adapter, torch.device(device), max(1, int(chunk))
+        # a family whose VAE decodes / encodes only so many samples at once caps the chunk (vae_batch)
+        self.adapter, self.device = adapter, torch.device(device)
+        self.chunk = max(1, min(int(chunk), getattr(adapter, "vae_batch", None) or int(chunk)))
         self.dtype = next(self.vae.parameters()).dtype
 
     @torch.no_grad()
