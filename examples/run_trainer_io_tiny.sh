@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The real-run path on 2 CPU processes at tiny size: pipeline folder -> FlowGRPO with rewards you bring, a .jsonl
 # dataset with eval and sample grids -> `sp-diffusers export` -> `sp-diffusers sample` under SP.
-#   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan, wan2.2, zimage or
-#                                                      # flux2-klein for the others)
+#   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan, wan2.2, zimage,
+#                                                      # flux2-klein or hunyuanvideo15 for the others)
 #   FAMILY=qwenimage-edit bash examples/run_trainer_io_tiny.sh   # editing / I2V on image rows: flux-kontext,
 #                                                      # qwenimage-edit, wan-i2v, wan2.2-i2v, wan2.2-ti2v
 #   RUNS=/tmp/runs bash examples/run_trainer_io_tiny.sh  # where the pipeline, run and export go (default runs/)
@@ -25,7 +25,7 @@ esac
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers train \
   --config "$config" --set "model.pipeline=$pipe" --out-dir "$run" "${extra[@]}" "$@"
 .venv/bin/sp-diffusers export --run "$run" --out "$out" --force   # a rerun replaces its own export
-ext=png; [[ $family == wan* ]] && ext=mp4
+ext=png; [[ $family == wan* || $family == hunyuanvideo* ]] && ext=mp4
 # the edit pipelines resize the source to ~1 MP (4096 condition tokens with the tiny 8x VAE): one prompt there
 prompts=(--prompt "a red teapot"); [[ ${#image[@]} -eq 0 || $family == wan* ]] && prompts+=(--prompt "a blue sailboat")
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers sample --ulysses 2 \

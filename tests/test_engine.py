@@ -61,6 +61,7 @@ def pipeline_folder(tmp_path_factory):
             wide = {
                 "zimage": {"dim": 96, "n_heads": 6, "n_kv_heads": 6},
                 "flux2-klein": {"num_attention_heads": 6},
+                "hunyuanvideo15": {"num_attention_heads": 6},
             }.get(family, {})
             written[kind] = str(save_tiny_pipeline(family, tmp_path_factory.mktemp(kind), num_layers=2, **wide))
         return written.get(kind, "")
@@ -75,6 +76,7 @@ def pipeline_folder(tmp_path_factory):
     + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")]
     + [(layout, False, "zimage_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [(layout, False, "flux2_klein_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
+    + [(layout, False, "hunyuanvideo15_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [
         ("hsdp2_sp2", False, "qwenimage"),
         ("hsdp2_sp2", True, "qwenimage"),
@@ -88,7 +90,8 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
     Z-Image from a real ZImagePipeline folder (per-sample lists in and out, its chat-templated Qwen3 text, our plan)
     at Ulysses 2, 3 and 2 x Ring 2; FLUX.2 [klein] from a real Flux2KleinPipeline folder (packed tokens, batched
-    4-axis ids, its stacked Qwen3 layers, diffusers' own plan) at the same three;
+    4-axis ids, its stacked Qwen3 layers, diffusers' own plan) at the same three; HunyuanVideo-1.5 from a real
+    HunyuanVideo15Pipeline folder (two text streams, zero condition channels and image tokens, our plan) too;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2;
     hsdp2_* shard within 2 replica groups of 2 ranks and all-reduce gradients across them (HSDP)."""
     world, sp, ring, *replicate = {**LAYOUTS, **EXTRA_LAYOUTS, **HSDP_LAYOUTS}[layout]
@@ -109,6 +112,9 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     got = results[0]
     assert got["n_trainable"] == ref["n_trainable"] > 0
     assert 0 < ref["clipfrac"] < 1, "the data must exercise both clipped and unclipped samples"
+    # HunyuanVideo-1.5 text to video: the image stream is multiplied by 0 and the glyph stream (no quoted text in
+    # these prompts) is all masked, so their embedders get no gradient
+    idle = ("image_embedder.", "context_embedder_2.") if kind == "hunyuanvideo15_pipeline" else ()
     nonzero = 0
     for name, g_ref in ref["grads"].items():
         g = got["grads"][name]
@@ -118,7 +124,8 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
         ok, err = worst_grad(g, g_ref)
         assert ok, f"{layout} {'lora' if lora else 'full'}: grad {name} off by {err:.3e}"
         nonzero += int(g_ref.abs().max() > 0)
-    assert nonzero >= 0.8 * len(ref["grads"])
+        assert not (name.startswith(idle) and g_ref.abs().max() > 0), name  # ("".startswith(()) is False)
+    assert nonzero >= 0.8 * sum(1 for name in ref["grads"] if not name.startswith(idle))
     assert ref["step_moved"] > 0.1 * PARITY_LR and got["step_moved"] > 0.1 * PARITY_LR  # the step ran
     for name, p_ref in ref["params"].items():
         g_ref = ref["grads"][name]

@@ -421,3 +421,178 @@ def test_wan22_experts_switch_where_the_pipeline_switches(folders):
         ConfigError, match=r"model\.experts=\['transformer_3'\]: the pipeline's transformers are"
     ):
         build_engines(c, None, FSDPEngine)
+
+
+# HunyuanVideo-1.5: its __call__ takes no max_sequence_length nor step callback, so it is recorded on its own. One
+# prompt with quoted text (the byT5 glyph stream), one without (that stream all masked); 5 frames -> 3 latent frames.
+HV_PROMPTS = ["a red cat", 'a sign saying "OPEN" on a door']
+
+
+@pytest.fixture(scope="module")
+def hv_folder(tmp_path_factory):
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    return save_tiny_pipeline("hunyuanvideo15", tmp_path_factory.mktemp("hv") / "hv", num_layers=1)
+
+
+def _hv_record(folder, guidance: float, steps: int = 3):
+    """The pipeline at ``guidance`` (its guider's scale; 1: no CFG): every transformer call, its timesteps, output."""
+    from diffusers import ClassifierFreeGuidance, DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance)
+    calls = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, k: calls.append(dict(k)), with_kwargs=True)
+    kwargs = dict(prompt=HV_PROMPTS, num_inference_steps=steps, height=16, width=32, num_frames=5)
+    out = pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    hook.remove()
+    return pipe, calls, pipe.scheduler.timesteps.tolist(), out
+
+
+def _hv_parts(folder, cfg_scale: float = 1.0):
+    from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
+    from sp_diffusers.flowgrpo.models.adapters import build_adapter
+    from sp_diffusers.flowgrpo.models.pipeline_io import load_transformers, resolve_pipeline
+
+    c = TrainConfig()
+    c.model.pipeline, c.model.image_size, c.model.image_width, c.model.frames = str(folder), 8, 16, 3
+    c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = 3, cfg_scale
+    assert resolve_pipeline(c) == "hunyuanvideo15" and c.model.kind == "hunyuanvideo15"
+    model = load_transformers(c)["transformer"]
+    adapter = build_adapter(model, 8, True, 3, 256, image_width=16)
+    return c, model, adapter, run_schedule(c, adapter), build_text_encoder(c, torch.device("cpu"))
+
+
+def _hv_text(encoder, prompts, prefix: str, degree: int) -> dict:
+    """Both text streams padded as the engine pads them for SP ``degree``."""
+    from sp_diffusers.parallel.padding import pad_text_batch
+
+    text = encoder.encode_batch(prompts, prefix=prefix)
+    out = {}
+    for suffix in ("", "_2"):
+        key, mask = f"{prefix}prompt_embeds{suffix}", f"{prefix}prompt_embeds_mask{suffix}"
+        out[key], out[mask] = pad_text_batch(text[key], text[mask], degree, key)
+    return out
+
+
+def test_hunyuanvideo15_inputs_as_the_pipeline(hv_folder):
+    """The trainer's parts give HunyuanVideo-1.5's transformer what ``HunyuanVideo15Pipeline`` gives it: the same
+    timesteps; latents with the zero condition latents and mask channels, the timestep and the zero image stream bit
+    for bit; each text stream's valid rows bit for bit (the pipeline pads the MLLM stream to 1000 rows and the byT5
+    one to 256, the trainer keeps the valid rows and the engine pads to the SP degree, masked): the masked rows never
+    reach the output, so the velocity equals the pipeline's call to rounding (the attention's length differs)."""
+    _, calls, timesteps, _ = _hv_record(hv_folder, 1.0)
+    _, model, adapter, schedule, encoder = _hv_parts(hv_folder)
+    assert schedule.timesteps.tolist() == pytest.approx(timesteps, abs=1e-4)
+    assert encoder.hidden_size == model.config.text_embed_dim and len(calls) == 3
+    text = _hv_text(encoder, HV_PROMPTS, "", 4)
+    channels = adapter.channels
+    for i, call in enumerate(calls):
+        latents = call["hidden_states"][:, :channels]
+        ours = adapter.inputs(
+            latents, schedule.timesteps[i], text["prompt_embeds"], text["prompt_embeds_mask"],
+            text_2=(text["prompt_embeds_2"], text["prompt_embeds_mask_2"]),
+        )
+        assert set(ours) == set(call) - {"attention_kwargs", "return_dict"}
+        for key in ("hidden_states", "timestep", "image_embeds"):
+            assert torch.equal(ours[key], call[key]), f"step {i}: {key}"
+        for suffix, limit in (("", 1000), ("_2", 256)):
+            want_e, want_m = call[f"encoder_hidden_states{suffix}"], call[f"encoder_attention_mask{suffix}"]
+            got_e, got_m = ours[f"encoder_hidden_states{suffix}"], ours[f"encoder_attention_mask{suffix}"]
+            assert want_e.shape[1] == limit and got_m.dtype == want_m.dtype and got_e.shape[1] % 4 == 0
+            for b in range(len(HV_PROMPTS)):
+                keep_w, keep_g = want_m[b].bool(), got_m[b].bool()
+                assert int(keep_w.sum()) == int(keep_g.sum()), f"step {i}: stream{suffix} sample {b}"
+                assert torch.equal(got_e[b][keep_g], want_e[b][keep_w]), f"step {i}: stream{suffix} sample {b}"
+        # the glyph stream: none for the first prompt (all masked), the quoted text's bytes for the second
+        assert not ours["encoder_attention_mask_2"][0].any() and ours["encoder_attention_mask_2"][1].sum() > 4
+        with torch.no_grad():
+            want = model(**{k: call[k] for k in ours}, return_dict=False)[0]
+            got = model(**ours, return_dict=False)[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m, i=i: f"step {i}: {m}")
+
+
+@pytest.mark.parametrize("guidance", [1.0, 6.0])
+def test_hunyuanvideo15_sampler_steps_as_the_pipeline_steps(hv_folder, guidance):
+    """From the pipeline's latents at each step one deterministic step of the trainer's sampler lands on its next
+    latents, the last on its output. The pipeline's guider (``ClassifierFreeGuidance``: ``neg + g (pos - neg)``
+    over the empty negative prompt, two forwards per step; none at g = 1) is ``flowgrpo.cfg_scale = g``; the
+    sampler's two calls (``cfg_batch`` off) and its one batched call meet it to rounding (ragged text)."""
+    from sp_diffusers.flowgrpo.sampling.denoise import Sampler
+    from sp_diffusers.flowgrpo.sampling.guidance import guided as guided_velocity
+    from sp_diffusers.flowgrpo.sampling.sde import ode_step
+
+    _, calls, _, final = _hv_record(hv_folder, guidance)
+    _, model, adapter, schedule, encoder = _hv_parts(hv_folder, guidance)
+    cond = {**_hv_text(encoder, HV_PROMPTS, "", 2), **_hv_text(encoder, [""] * 2, "negative_", 2)}
+    guided = guidance > 1.0
+    per_step = 2 if guided else 1
+    assert len(calls) == per_step * schedule.num_steps
+    sigmas = schedule.sigmas.tolist()
+    for cfg_batch in (False, True) if guided else (True,):
+        sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=guidance, cfg_batch=cfg_batch)
+        for i in range(schedule.num_steps):
+            x = calls[per_step * i]["hidden_states"][:, : adapter.channels]
+            with torch.no_grad():
+                v = sampler.velocity(sampler.engine_at(i), x, schedule.timesteps[i], cond)
+            ours = ode_step(x, v, sigmas[i], sigmas[i + 1])
+            last = i + 1 == schedule.num_steps
+            want = final if last else calls[per_step * (i + 1)]["hidden_states"][:, : adapter.channels]
+            # each branch's rounding (~5e-6) weighs g and g - 1 in the guided velocity
+            tol = 1e-5 * (2 * guidance - 1)
+            torch.testing.assert_close(ours, want, atol=tol, rtol=0, msg=lambda m, i=i: f"step {i}: {m}")
+            if guided and not cfg_batch:  # the formula itself: on the pipeline's own two calls, bit for bit
+                with torch.no_grad():
+                    pos, neg = (model(**{**calls[2 * i + k], "return_dict": False})[0] for k in (0, 1))
+                exact = ode_step(x, guided_velocity(pos, neg, guidance).float(), sigmas[i], sigmas[i + 1])
+                assert torch.equal(exact, want), f"step {i}: {(exact - want).abs().max()}"
+
+
+def test_hunyuanvideo15_pixels_decode_and_encode_as_the_pipeline_does(hv_folder):
+    """The decoder gives the pixels the pipeline's ``__call__`` gives (``z / scaling_factor``, then its video
+    processor: ``[B, F, 3, H, W]`` in [0, 1]); the encoder inverts the scaling on the posterior's mode."""
+    from diffusers import ClassifierFreeGuidance, DiffusionPipeline
+
+    from sp_diffusers.flowgrpo.models.decode import PixelDecoder, PixelEncoder
+
+    pipe = DiffusionPipeline.from_pretrained(hv_folder)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
+    _, _, adapter, _, _ = _hv_parts(hv_folder)
+    kwargs = dict(prompt=HV_PROMPTS[:1], num_inference_steps=2, height=16, width=32, num_frames=5)
+    latents = pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(3)).frames
+    pixels = pipe(**kwargs, output_type="pt", generator=torch.Generator().manual_seed(3)).frames
+    ours = PixelDecoder(pipe.vae, adapter, "cpu")(latents)
+    assert ours.shape == pixels.shape == (1, 5, 3, 16, 32)
+    torch.testing.assert_close(ours, pixels, atol=1e-6, rtol=0)
+    video = torch.rand(1, 5, 3, 16, 32, generator=torch.Generator().manual_seed(0))
+    encoded = PixelEncoder(pipe.vae, adapter, "cpu")(video)
+    with torch.no_grad():
+        z = pipe.vae.encode(video.permute(0, 2, 1, 3, 4) * 2 - 1).latent_dist.mode()
+    assert encoded.shape == adapter.latent_shape(1)
+    torch.testing.assert_close(encoded, z * pipe.vae.config.scaling_factor, atol=1e-6, rtol=0)
+
+
+def test_hunyuanvideo15_guider_other_than_plain_cfg_is_refused(hv_folder, tmp_path):
+    """``flowgrpo.cfg_scale`` is the folder's guider only where that guider is plain CFG at every step: a rescaled
+    one is refused before anything loads (unguided rollouts still read the folder)."""
+    from sp_diffusers.flowgrpo.models.pipeline_io import resolve_pipeline
+
+    rescaled = tmp_path / "hv-rescaled"
+    rescaled.mkdir()
+    for entry in hv_folder.iterdir():
+        if entry.name != "guider":
+            (rescaled / entry.name).symlink_to(entry)
+    (rescaled / "guider").mkdir()
+    guider = json.loads((hv_folder / "guider" / "guider_config.json").read_text())
+    (rescaled / "guider" / "guider_config.json").write_text(json.dumps({**guider, "guidance_rescale": 0.7}))
+    c = TrainConfig()
+    c.model.pipeline, c.flowgrpo.cfg_scale = str(hv_folder), 6.0
+    assert resolve_pipeline(c) == "hunyuanvideo15"
+    c = TrainConfig()
+    c.model.pipeline, c.flowgrpo.cfg_scale = str(rescaled), 6.0
+    with pytest.raises(ConfigError, match=r"guides with a ClassifierFreeGuidance \{'guidance_rescale': 0\.7\}.* fix: "):
+        resolve_pipeline(c)
+    c.flowgrpo.cfg_scale = 1.0
+    assert resolve_pipeline(c) == "hunyuanvideo15"

@@ -148,3 +148,17 @@ def test_plan_rl_answers_for_flux2_klein(capsys):
     out = json.loads(capsys.readouterr().out)
     (layout,) = out["layouts"]
     assert layout["iteration"] and out["recommended"] is not None
+
+
+def test_plan_rl_answers_for_hunyuanvideo15(capsys):
+    """HunyuanVideo-1.5 text to video: the RL iteration calls its transformer through the trainer's adapter (zero
+    condition channels, the MLLM stream, one masked glyph row, 729 zero image tokens) at one small layout (CI time)."""
+    from sp_diffusers.cli import main
+
+    argv = ["plan", "--model", "hunyuanvideo-1.5", "--height", "256", "--width", "256", "--frames", "5", "--gpus", "8"]
+    argv += ["--ulysses", "2", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1"]
+    argv += ["--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None

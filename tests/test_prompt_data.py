@@ -119,6 +119,7 @@ def test_media_png_grid_mp4_that_opens_and_gif_without_a_video_writer(tmp_path, 
         "wan22_a14b_lora.yaml",
         "z_image_turbo_lora.yaml",
         "flux2_klein_lora.yaml",
+        "hunyuanvideo15_lora.yaml",
     ],
 )
 def test_example_configs_load_and_name_loadable_rewards(name, monkeypatch):

@@ -1,8 +1,9 @@
 """The trainer for real work, end to end at tiny size (the issue's done-when):
 
 a pipeline folder of each trained family (Qwen-Image, FLUX.1, SD3, Wan2.1, Wan2.2 with both experts, Z-Image,
-FLUX.2 [klein], written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at Ulysses SP = 2 with a
-file-path reward on pixels and a .jsonl dataset with eval (Qwen-Image: 2 iterations, then resumed to 3 mid-epoch)
+FLUX.2 [klein], HunyuanVideo-1.5, written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at
+Ulysses SP = 2 with a file-path reward on pixels and a .jsonl dataset with eval (Qwen-Image: 2 iterations, then
+resumed to 3 mid-epoch)
 -> ``sp-diffusers export`` -> plain diffusers, in a process that never imports sp_diffusers, reloads the export and
 reproduces the trained model's output; ``sp-diffusers sample`` renders a PNG under SP (base + LoRA, equal to the
 merged export) and a video for Wan. One process group trains every family; one plain process checks every export.
@@ -29,7 +30,7 @@ from ._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = ROOT / "examples" / "rewards" / "simple_rewards.py"
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein")
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein", "hunyuanvideo15")
 ROWS = [
     {"prompt": "a red cat", "color": "red"},
     {"prompt": "a green house", "color": "green"},
@@ -98,7 +99,7 @@ def test_three_iterations_with_file_rewards_jsonl_data_and_eval(trained, family)
     if family == "wan2.2":
         assert {"grad_norm/transformer", "grad_norm/transformer_2"} <= set(lines[0])
         assert lines[0]["grad_norm/transformer"] > 0 and lines[0]["grad_norm/transformer_2"] > 0
-    video = family.startswith("wan")
+    video = family.startswith(("wan", "hunyuanvideo"))
     sample = run / "samples" / f"iteration-00000003.{'gif' if video else 'png'}"
     if video and not sample.exists():
         sample = sample.with_suffix(".mp4")
@@ -147,6 +148,7 @@ def test_plain_diffusers_reproduces_the_trained_model(exported, trained, family)
         "sd3": "StableDiffusion3Pipeline",
         "zimage": "ZImagePipeline",
         "flux2-klein": "Flux2KleinPipeline",
+        "hunyuanvideo15": "HunyuanVideo15Pipeline",
     }
     for r in results.values():
         bound = 1e-5 + 1e-5 * r["scale"]

@@ -16,6 +16,9 @@ __all__ = ["TEXT_KEYS", "broadcast_in_sp_group", "prepare_batch"]
 TEXT_KEYS = (
     ("prompt_embeds", "prompt_embeds_mask"),
     ("negative_prompt_embeds", "negative_prompt_embeds_mask"),
+    # a second text stream (HunyuanVideo-1.5's byT5 glyph states), padded as the first
+    ("prompt_embeds_2", "prompt_embeds_mask_2"),
+    ("negative_prompt_embeds_2", "negative_prompt_embeds_mask_2"),
 )
 
 

@@ -67,6 +67,15 @@ SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
         "time_shift_type": "exponential",
         "use_dynamic_shifting": True,
     },
+    # HunyuanVideo-1.5 (hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v): a static shift, 5 for the 480p
+    # checkpoints in Tencent's release notes (720p: 9; the file was not at hand: a real folder's own config is read).
+    # HunyuanVideo15Pipeline passes sigmas linspace(1, 0, N + 1)[:-1], shifted by set_timesteps.
+    "hunyuanvideo15": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "num_train_timesteps": 1000,
+        "shift": 5.0,
+        "use_dynamic_shifting": False,
+    },
     # black-forest-labs/FLUX.1-dev scheduler_config.json (FluxPipeline passes linspace(1, 1/N, N) and mu)
     "flux": {
         "_class_name": "FlowMatchEulerDiscreteScheduler",

@@ -90,7 +90,7 @@ class TextConfig:
     num_layers: int = 1
     seed: int = 1234
     # a diffusers pipeline folder whose own text encoders encode the prompts (Qwen-Image, FLUX.1, SD3, Wan,
-    # Z-Image, FLUX.2 [klein]); "": model.pipeline's
+    # Z-Image, FLUX.2 [klein], HunyuanVideo-1.5); "": model.pipeline's
     pipeline: str = ""
     max_sequence_length: int = 256  # text tokens: T5 of a pipeline encoder, UMT5 (Wan pads prompts to it)
     cache_mb: float = 4096.0  # each unique prompt encoded once per run, its encodings kept up to this; 0: off

@@ -51,7 +51,9 @@ __all__ = [
 
 Ledger = dict[tuple[str, str], tuple[int, int]]  # (phase, kind) -> (calls, bytes)
 
-_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "cap_feat_dim")  # the width of the text a family's transformer takes
+# the width of the text a family's transformer takes (HunyuanVideo-1.5: its MLLM stream; the byT5 stream is left to
+# the adapter's default, one masked row: a prompt without quoted text)
+_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "cap_feat_dim", "text_embed_dim")
 
 
 @dataclass(frozen=True)

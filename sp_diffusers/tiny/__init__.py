@@ -12,6 +12,7 @@ from . import av_models, image_models, video_models, wan_variants  # noqa: F401 
 from .pipelines import (
     save_tiny_flux2_klein_pipeline,
     save_tiny_flux_pipeline,
+    save_tiny_hunyuanvideo15_pipeline,
     save_tiny_pipeline,
     save_tiny_qwenimage_pipeline,
     save_tiny_sd3_pipeline,
@@ -30,6 +31,7 @@ __all__ = [
     "save_tiny_dino",
     "save_tiny_flux2_klein_pipeline",
     "save_tiny_flux_pipeline",
+    "save_tiny_hunyuanvideo15_pipeline",
     "save_tiny_pipeline",
     "save_tiny_qwenimage_pipeline",
     "save_tiny_sd3_pipeline",

@@ -22,8 +22,10 @@ from .text_parts import (
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_flux2_vae,
+    tiny_hunyuanvideo15_vae,
     tiny_qwen3,
     tiny_qwen25vl,
+    tiny_qwen25vl_text,
     tiny_qwenimage_vae,
     tiny_t5,
     tiny_umt5,
@@ -35,6 +37,7 @@ __all__ = [
     "WAN_SCHEDULER_CONFIG",
     "save_tiny_flux2_klein_pipeline",
     "save_tiny_flux_pipeline",
+    "save_tiny_hunyuanvideo15_pipeline",
     "save_tiny_pipeline",
     "save_tiny_qwenimage_pipeline",
     "save_tiny_sd3_pipeline",
@@ -197,6 +200,39 @@ def save_tiny_flux2_klein_pipeline(
     return save_pipeline(pipe, folder)
 
 
+def save_tiny_hunyuanvideo15_pipeline(
+    folder: str | os.PathLike, seed: int = 0, guidance_scale: float = 6.0, **transformer_overrides: Any
+) -> Path:
+    """A tiny ``HunyuanVideo15Pipeline`` (text-to-video): the tiny ``HunyuanVideo15Transformer3DModel`` (``in_channels``
+    = 2 x the VAE's latent channels + 1: the pipeline concatenates the condition latents and a mask, zeros for T2V),
+    a 3-layer ``Qwen2_5_VLTextModel`` ``text_embed_dim`` wide with a chat-template character tokenizer (the MLLM
+    stream), a ``T5EncoderModel`` ``text_embed_2_dim`` wide with ``ByT5Tokenizer`` (the glyph stream: quoted text in a
+    prompt), an ``AutoencoderKLHunyuanVideo15`` compressing 2x in space and time, HunyuanVideo-1.5's scheduler config
+    and a ``ClassifierFreeGuidance`` guider at ``guidance_scale`` (1: no CFG)."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from transformers import ByT5Tokenizer
+
+    transformer = tiny_model("hunyuanvideo15", seed=seed, **transformer_overrides)
+    cfg = transformer.config
+    if cfg.in_channels != 2 * cfg.out_channels + 1:
+        raise ValueError(
+            f"save_tiny_hunyuanvideo15_pipeline: in_channels={cfg.in_channels} must be 2 x out_channels + 1 = "
+            f"{2 * cfg.out_channels + 1} (latents, condition latents and mask concatenated); fix: set both together"
+        )
+    byt5 = ByT5Tokenizer()
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=tiny_qwen25vl_text(seed + 1, cfg.text_embed_dim),
+        tokenizer=chat_tokenizer(2048),
+        transformer=transformer,
+        vae=tiny_hunyuanvideo15_vae(seed + 2, cfg.out_channels),
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("hunyuanvideo15")),
+        text_encoder_2=tiny_t5(seed + 3, cfg.text_embed_2_dim, vocab_size=len(byt5)),
+        tokenizer_2=byt5,
+        guider=ClassifierFreeGuidance(guidance_scale=guidance_scale),
+    )
+    return save_pipeline(pipe, folder)
+
+
 # family -> writer: the families the trainer reads from a pipeline folder (wan2.2: save_tiny_wan_pipeline(experts=2))
 PIPELINE_WRITERS = {
     "qwenimage": save_tiny_qwenimage_pipeline,
@@ -205,6 +241,7 @@ PIPELINE_WRITERS = {
     "wan": save_tiny_wan_pipeline,
     "zimage": save_tiny_zimage_pipeline,
     "flux2-klein": save_tiny_flux2_klein_pipeline,
+    "hunyuanvideo15": save_tiny_hunyuanvideo15_pipeline,
 }
 
 

@@ -25,8 +25,10 @@ __all__ = [
     "tiny_autoencoder_kl",
     "tiny_clip_text",
     "tiny_flux2_vae",
+    "tiny_hunyuanvideo15_vae",
     "tiny_qwen3",
     "tiny_qwen25vl",
+    "tiny_qwen25vl_text",
     "tiny_qwenimage_vae",
     "tiny_t5",
     "tiny_umt5",
@@ -137,12 +139,13 @@ def tiny_clip_text(seed: int, hidden: int = 16, projection: bool = True, max_pos
     return _seeded(seed, lambda: cls(config))
 
 
-def tiny_t5(seed: int, d_model: int = 32) -> Any:
-    """``T5EncoderModel`` (SD3's and Flux's third / second encoder), ``d_model`` wide."""
+def tiny_t5(seed: int, d_model: int = 32, vocab_size: int = 0) -> Any:
+    """``T5EncoderModel`` (SD3's and Flux's third / second encoder, HunyuanVideo-1.5's byT5 glyph encoder),
+    ``d_model`` wide, over ``vocab_size`` ids (0: :data:`WORDS`)."""
     from transformers import T5Config, T5EncoderModel
 
     config = T5Config(
-        vocab_size=len(WORDS),
+        vocab_size=vocab_size or len(WORDS),
         d_model=d_model,
         d_kv=8,
         d_ff=2 * d_model,
@@ -224,6 +227,46 @@ def tiny_qwen3(
 def tiny_qwen25vl(seed: int, hidden: int = 32) -> Any:
     """``Qwen2_5_VLForConditionalGeneration`` (Qwen-Image's text encoder), ``hidden`` wide, one text layer."""
     return qwen25vl(seed, hidden, len(WORDS), 2048)
+
+
+def tiny_qwen25vl_text(seed: int, hidden: int = 32, layers: int = 3, max_positions: int = 2048) -> Any:
+    """``Qwen2_5_VLTextModel`` (HunyuanVideo-1.5's MLLM text encoder class) over :data:`CHAT_WORDS`, ``hidden``
+    wide, ``layers`` layers: the pipeline reads ``hidden_states[-3]``, so three make that a layer's output."""
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    heads = 2
+    half = hidden // heads // 2  # mrope sections cover half a head (t, h, w)
+    config = Qwen2_5_VLTextConfig(
+        vocab_size=len(CHAT_WORDS),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        rope_scaling={"type": "mrope", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return _seeded(seed, lambda: Qwen2_5_VLTextModel(config)).eval()
+
+
+def tiny_hunyuanvideo15_vae(seed: int, latent_channels: int) -> Any:
+    """``AutoencoderKLHunyuanVideo15`` compressing 2x in space and time (frames ``1 + 2 k`` -> ``1 + k``),
+    ``latent_channels`` deep, the released scaling factor (its config has no shift or per-channel statistics)."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    return _seeded(
+        seed,
+        lambda: AutoencoderKLHunyuanVideo15(
+            latent_channels=latent_channels,
+            block_out_channels=(8, 8),
+            layers_per_block=1,
+            spatial_compression_ratio=2,
+            temporal_compression_ratio=2,
+        ),
+    )
 
 
 def save_tiny_clip(folder: str | os.PathLike, seed: int = 0) -> Path:

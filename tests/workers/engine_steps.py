@@ -63,6 +63,12 @@ def _config(
         # attended), its scheduler config and compute_empirical_mu; 6 heads: Ulysses 2 and 3 divide them
         c.model.kind, c.model.pretrained = "flux2", f"{pipeline}/transformer"
         c.text.pipeline, c.text.max_sequence_length = pipeline, 64
+    if kind == "hunyuanvideo15_pipeline":
+        # a real HunyuanVideo15Pipeline folder: video latents with zero condition channels, two text streams (the
+        # MLLM's valid rows and byT5's one masked row: no quoted text), 729 zero image tokens, its scheduler config
+        # and linspace sigmas; 6 heads: Ulysses 2 and 3 divide them; 2 latent frames of 8 x 8
+        c.model.kind, c.model.pretrained, c.model.frames = "hunyuanvideo15", f"{pipeline}/transformer", 2
+        c.text.pipeline = pipeline
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.parallel.dp_replicate = replicate

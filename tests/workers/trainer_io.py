@@ -77,10 +77,17 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
         if inputs is None:
             c = model.config
             adapter = build_adapter(model, config.model.image_size, True, config.model.frames, config.text.max_sequence_length)
-            width = getattr(c, "joint_attention_dim", None) or getattr(c, "text_dim", None) or c.cap_feat_dim
+            width = (
+                getattr(c, "joint_attention_dim", None)
+                or getattr(c, "text_dim", None)
+                or getattr(c, "text_embed_dim", None)  # HunyuanVideo-1.5's MLLM stream
+                or c.cap_feat_dim
+            )
             embeds = torch.randn(2, config.text.max_sequence_length, width, generator=g)
             pooled = torch.randn(2, c.pooled_projection_dim, generator=g) if hasattr(c, "pooled_projection_dim") else None
             adapter, condition = _conditioned(config, model, adapter, g)
+            if hasattr(c, "text_embed_2_dim"):  # HunyuanVideo-1.5's glyph stream, all valid: its embedder trains too
+                condition = {**condition, "text_2": (torch.randn(2, 8, c.text_embed_2_dim, generator=g), torch.ones(2, 8))}
             latents = torch.randn(adapter.latent_shape(2), generator=g)
             mask = torch.ones(2, embeds.shape[1], dtype=torch.bool)
             inputs = adapter.inputs(latents, torch.tensor(600.0), embeds, mask, pooled, **condition)

@@ -50,7 +50,12 @@ PIPELINE_CLASSES = {
     "wan": "WanPipeline",
     "zimage": "ZImagePipeline",
     "flux2": "Flux2KleinPipeline",  # its LoRA file (Flux2LoraLoaderMixin, which Flux2Pipeline shares)
+    "hunyuanvideo15": "HunyuanVideo15Pipeline",
 }
+# kinds whose pipeline has no LoRA loader in diffusers (0.42: HunyuanVideo15Pipeline): the LoRA file is written in the
+# same format (``transformer.``-prefixed keys, the adapter's metadata) by this mixin; load it with
+# ``pipe.transformer.load_lora_adapter(folder, weight_name=..., prefix="transformer")``
+LORA_WRITERS = {"hunyuanvideo15": "HunyuanVideoLoraLoaderMixin"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -256,6 +261,10 @@ def _write(config: TrainConfig, run_dir: Path, out: Path, step: int | None, dtyp
     if len({p.name for p in steps.values()}) > 1:
         raise CheckpointError(f"the experts' checkpoints are at different steps ({steps}); fix: --step N")
     pipeline_cls = getattr(diffusers, PIPELINE_CLASSES.get(config.model.kind, ""), None)
+    if config.model.kind in LORA_WRITERS:
+        from diffusers.loaders import lora_pipeline
+
+        pipeline_cls = getattr(lora_pipeline, LORA_WRITERS[config.model.kind])
     for name, path in steps.items():
         model = _load_trained(config, name, path)
         folder = out / name

@@ -8,6 +8,7 @@ result is the single-process one. Rank 0 writes the file: images as a PNG (sever
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,7 @@ def render(
         raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
     if compile not in COMPILE_MODES:
         raise ConfigError(f"--compile {compile}: one of {', '.join(COMPILE_MODES)}")
-    video = name.startswith("Wan")
+    video = name.startswith(("Wan", "HunyuanVideo"))
     if video != (out.suffix.lower() in _VIDEO_SUFFIXES):
         kind = "a video pipeline: write .mp4 or .gif" if video else "an image pipeline: write .png"
         raise ConfigError(f"--out {out}: {name} is {kind}")
@@ -206,7 +207,11 @@ def render(
         if file:
             path = Path(file)
             extra = {"load_into_transformer_2": True} if into_2 else {}
-            pipe.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
+            if hasattr(pipe, "load_lora_weights"):
+                pipe.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
+            else:  # no LoRA loader (HunyuanVideo15Pipeline): the file as export writes it (io/export.LORA_WRITERS)
+                model = pipe.transformer_2 if into_2 else pipe.transformer
+                model.load_lora_adapter(str(path.parent), weight_name=path.name, prefix="transformer")
     pipe.to(_device())
     pipe.set_progress_bar_config(disable=True)
     for part in ("transformer", "transformer_2"):  # before the plan's hooks wrap the forwards
@@ -215,17 +220,21 @@ def render(
     if ulysses > 1:
         _parallelize(pipe, ulysses)
     kwargs: dict[str, Any] = {"prompt": list(prompts), "output_type": "pt", **guidance_kwargs}
+    takes = inspect.signature(cls.__call__).parameters
     for key, value in (
         ("num_inference_steps", steps),
         ("height", height),
         ("width", width),
         ("max_sequence_length", max_sequence_length),
     ):
-        if value is not None:
+        # HunyuanVideo15Pipeline takes no max_sequence_length (its text lengths are fixed): not passed there
+        if value is not None and (key != "max_sequence_length" or key in takes):
             kwargs[key] = value
     if video and frames is not None:
         kwargs["num_frames"] = frames
-    if sources is None:
+    # one prompt a call: the conditioned pipelines take one image batch per call; diffusers' (0.42)
+    # AutoencoderKLHunyuanVideo15 decodes one video at a time (its mid-block attention mask breaks for a batch)
+    if sources is None and name != "HunyuanVideo15Pipeline":
         result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
         pixels = (result.frames if video else result.images).float().cpu()
     else:
@@ -233,7 +242,9 @@ def render(
             kwargs["max_area"] = height * width  # Kontext scales the output to max_area (1 MP) otherwise
         parts = []
         for prompt in prompts:
-            kwargs.update(prompt=[prompt], image=sources if len(sources) > 1 else sources[0])
+            kwargs["prompt"] = [prompt]
+            if sources is not None:
+                kwargs["image"] = sources if len(sources) > 1 else sources[0]
             result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
             parts.append((result.frames if video else result.images).float().cpu())
         pixels = torch.cat(parts)

@@ -1,5 +1,5 @@
 """How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs (FLUX.1:
-``flux.py``; FLUX.2: ``flux2.py``; Z-Image: ``zimage.py``).
+``flux.py``; FLUX.2: ``flux2.py``; Z-Image: ``zimage.py``; HunyuanVideo-1.5: ``hunyuan15.py``).
 
 Latents keep the family's own layout (Qwen-Image, FLUX.1, FLUX.2: packed tokens ``[B, L, C]``; SD3, Z-Image:
 ``[B, C, H, W]``; Wan: video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments
@@ -19,11 +19,13 @@ from .base import FamilyAdapter
 from .decode import PackedTokens, pack_2x2, unpack_2x2
 from .flux import FluxAdapter, flux_adapter
 from .flux2 import Flux2Adapter, flux2_adapter
+from .hunyuan15 import HunyuanVideo15Adapter, hunyuanvideo15_adapter
 from .zimage import ZImageAdapter, zimage_adapter
 
 __all__ = [
     "Flux2Adapter",
     "FluxAdapter",
+    "HunyuanVideo15Adapter",
     "QwenImageAdapter",
     "SD3Adapter",
     "WanAdapter",
@@ -186,7 +188,9 @@ def build_adapter(
     text_len: int = 512,
     guidance_scale: float = 3.5,
     image_width: int = 0,
-) -> QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter | Flux2Adapter | ZImageAdapter:
+) -> (
+    QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter | Flux2Adapter | ZImageAdapter | HunyuanVideo15Adapter
+):
     """The adapter for ``model`` at latent height ``image_size`` and width ``image_width`` (0: ``image_size``; before
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
     projection input itself; ``text_len``: the text length a Wan, FLUX.1 or FLUX.2 pipeline pads prompts to
@@ -244,8 +248,11 @@ def build_adapter(
     if name == "ZImageTransformer2DModel":
         check(2, 2)  # ZImagePipeline calls the transformer with patch_size 2
         return zimage_adapter(model, h, w)
+    if name == "HunyuanVideo15Transformer3DModel":
+        return hunyuanvideo15_adapter(model, frames, h, w)
     raise ValueError(
         f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
-        "Flux2Transformer2DModel, SD3Transformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel (add one in "
+        "Flux2Transformer2DModel, SD3Transformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel, "
+        "HunyuanVideo15Transformer3DModel (add one in "
         "sp_diffusers/flowgrpo/models/adapters.py)"
     )

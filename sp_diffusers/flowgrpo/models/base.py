@@ -3,7 +3,7 @@ conditioned on text alone (an editing or image-to-video adapter overrides them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -13,6 +13,9 @@ __all__ = ["FamilyAdapter"]
 
 
 class FamilyAdapter:
+    # the most samples the family's VAE decodes or encodes in one call (None: any; HunyuanVideo-1.5's: 1)
+    vae_batch: ClassVar[int | None] = None
+
     def noisy_output(self, out: torch.Tensor) -> torch.Tensor:
         """The part of the transformer's output that belongs to the noisy latents (all of it here)."""
         return out

@@ -70,7 +70,7 @@ class PixelDecoder:
         self.vae = vae.to(device).eval().requires_grad_(False)
         # a family whose VAE decodes / encodes only so many samples at once caps the chunk (vae_batch)
         self.adapter, self.device = adapter, torch.device(device)
-        self.chunk = max(1, min(int(chunk), getattr(adapter, "vae_batch", None) or int(chunk)))
+        self.chunk = max(1, min(int(chunk), adapter.vae_batch or int(chunk)))
         self.dtype = next(self.vae.parameters()).dtype
 
     @torch.no_grad()
@@ -93,7 +93,7 @@ class PixelEncoder:
         self.vae = vae.to(device).eval().requires_grad_(False)
         # a family whose VAE decodes / encodes only so many samples at once caps the chunk (vae_batch)
         self.adapter, self.device = adapter, torch.device(device)
-        self.chunk = max(1, min(int(chunk), getattr(adapter, "vae_batch", None) or int(chunk)))
+        self.chunk = max(1, min(int(chunk), adapter.vae_batch or int(chunk)))
         self.dtype = next(self.vae.parameters()).dtype
 
     @torch.no_grad()

@@ -42,6 +42,7 @@ PIPELINE_FAMILIES = {
     "WanPipeline": "wan",
     "ZImagePipeline": "zimage",
     "Flux2KleinPipeline": "flux2",
+    "HunyuanVideo15Pipeline": "hunyuanvideo15",
     "QwenImageEditPipeline": "qwenimage",
     "QwenImageEditPlusPipeline": "qwenimage",
     "FluxKontextPipeline": "flux",
@@ -102,6 +103,7 @@ def _pipeline_family(config: TrainConfig) -> tuple[str, dict[str, Any]]:
         )
     family = PIPELINE_FAMILIES[name]
     _check_distilled(config, name, index)
+    _check_guider(config, name)
     if c.kind and c.kind != family:
         wanted = next((p for p, k in PIPELINE_FAMILIES.items() if k == c.kind), f"{KINDS.get(c.kind, c.kind)} pipeline")
         raise _mismatch(c.kind, "model.pipeline", c.pipeline, f"a {name} folder", family, f"a {wanted} folder")
@@ -127,6 +129,28 @@ def _check_distilled(config: TrainConfig, name: str, index: dict[str, Any]) -> N
             "(model_index.json: is_distilled true), which samples without classifier-free guidance at any "
             "guidance_scale; the rollouts would guide a policy the pipeline never runs; fix: flowgrpo.cfg_scale=1, "
             "or a [klein] Base folder (is_distilled false; its pipeline guides at guidance_scale g > 1: cfg_scale g)"
+        )
+
+
+def _check_guider(config: TrainConfig, name: str) -> None:
+    """A pipeline that guides through its ``guider`` folder (HunyuanVideo-1.5's ``ClassifierFreeGuidance``): the
+    trainer's ``neg + s (pos - neg)`` at every step is that guider only without a rescale, without the original
+    formulation and over the whole schedule; another setting would guide rollouts the pipeline never samples."""
+    path = Path(config.model.pipeline) / "guider" / "guider_config.json"
+    if config.flowgrpo.cfg_scale <= 1.0 or not path.is_file():
+        return
+    guider = json.loads(path.read_text())
+    differs = {
+        key: guider[key]
+        for key, plain in (("guidance_rescale", 0.0), ("use_original_formulation", False), ("start", 0.0), ("stop", 1.0))
+        if key in guider and guider[key] != plain
+    }
+    if guider.get("_class_name") != "ClassifierFreeGuidance" or differs:
+        raise ConfigError(
+            f"flowgrpo.cfg_scale={config.flowgrpo.cfg_scale:g} but model.pipeline={config.model.pipeline!r} (a {name}) "
+            f"guides with a {guider.get('_class_name')} {differs or ''}, which is not the trainer's neg + s (pos - neg) "
+            "at every step; fix: flowgrpo.cfg_scale=1, or a folder whose guider/guider_config.json is a plain "
+            "ClassifierFreeGuidance (guidance_rescale 0, use_original_formulation false, start 0, stop 1)"
         )
 
 

@@ -26,10 +26,12 @@ class _Entry:
     embeds: torch.Tensor  # [L, D]
     mask: torch.Tensor  # [L] bool
     pooled: torch.Tensor | None  # [P] (SD3, FLUX.1)
+    embeds_2: torch.Tensor | None = None  # [L2, D2]: a second text stream (HunyuanVideo-1.5's byT5)
+    mask_2: torch.Tensor | None = None  # [L2] bool
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.embeds, self.mask] + ([self.pooled] if self.pooled is not None else [])
+        tensors = [t for t in (self.embeds, self.mask, self.pooled, self.embeds_2, self.mask_2) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -59,6 +61,9 @@ class PromptCache:
         }
         if entries and entries[0].pooled is not None:
             out[f"{prefix}pooled_prompt_embeds"] = torch.stack([e.pooled for e in entries])
+        if entries and entries[0].embeds_2 is not None:
+            out[f"{prefix}prompt_embeds_2"] = [e.embeds_2 for e in entries]
+            out[f"{prefix}prompt_embeds_mask_2"] = [e.mask_2 for e in entries]
         return out
 
     def encode_all(self, prompts: Iterable[str], chunk: int = 16) -> int:
@@ -88,11 +93,14 @@ class PromptCache:
             return {}
         out = self._encode(missing)
         pooled = out.get("pooled_prompt_embeds")
+        embeds_2, mask_2 = out.get("prompt_embeds_2"), out.get("prompt_embeds_mask_2")
         fresh = {
             p: _Entry(  # each its own storage: a view would keep the whole batch alive
                 out["prompt_embeds"][i].clone(),
                 out["prompt_embeds_mask"][i].clone(),
                 pooled[i].clone() if pooled is not None else None,
+                embeds_2[i].clone() if embeds_2 is not None else None,
+                mask_2[i].clone() if mask_2 is not None else None,
             )
             for i, p in enumerate(missing)
         }

@@ -169,7 +169,10 @@ class PipelineTextEncoder:
     (ragged, with a mask: the adapter cuts the rows back to it). ``Flux2KleinPipeline``: Qwen3's hidden states 9, 18
     and 27 of the chat-templated prompt (``enable_thinking=False``) padded to ``max_sequence_length``, stacked per
     token (3 x the encoder's width); its transformer attends to every row, padding included (masks all True).
-    Frozen, no gradients.
+    ``HunyuanVideo15Pipeline``: two streams, each prompt's valid rows with a mask (its transformer masks the rest):
+    Qwen2.5-VL's third-to-last hidden states of the system-templated prompt (``prompt_embeds``, up to the pipeline's
+    1000 tokens) and the byT5 states of the prompt's quoted text (``prompt_embeds_2``, up to 256; a prompt without
+    quoted text: one masked zero row, as the pipeline's all-masked zeros). Frozen, no gradients.
 
     The editing and image-to-video pipelines (``CONDITIONED``) keep their VAE (and Wan2.1 I2V its CLIP image encoder):
     the family's adapter prepares the condition with them (``conditioning.py``); Qwen-Image-Edit's prompts are read
@@ -190,6 +193,7 @@ class PipelineTextEncoder:
         "FluxPipeline",
         "ZImagePipeline",
         "Flux2KleinPipeline",
+        "HunyuanVideo15Pipeline",
         *CONDITIONED,
     )
 
@@ -227,14 +231,18 @@ class PipelineTextEncoder:
             warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
             if name in ("WanPipeline", "WanImageToVideoPipeline") and "transformer_2" in json.loads(index.read_text()):
                 kwargs["transformer_2"] = None
-            if name not in self.CONDITIONED:
-                kwargs["vae"] = None  # the conditioned pipelines encode their condition images with it
+            # the conditioned pipelines encode their condition images with it; HunyuanVideo15Pipeline's __init__
+            # reads its config (dropped once loaded)
+            if name not in self.CONDITIONED and name != "HunyuanVideo15Pipeline":
+                kwargs["vae"] = None
             if name.startswith("QwenImageEdit"):
                 from ...families.processors import load_qwen_vl_processor
 
                 kwargs["processor"] = load_qwen_vl_processor(Path(path) / "processor")
             self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, **kwargs)
         self.pipe.set_progress_bar_config(disable=True)
+        if name == "HunyuanVideo15Pipeline":
+            self.pipe.vae = None  # encode_prompt does not read it
         self.device = torch.device(device)
         for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae"):
             module = getattr(self.pipe, component, None)
@@ -253,7 +261,7 @@ class PipelineTextEncoder:
     @property
     def hidden_size(self) -> int:
         """The width of the embeddings the transformer receives."""
-        if self.text_family in ("QwenImagePipeline", "ZImagePipeline"):
+        if self.text_family in ("QwenImagePipeline", "ZImagePipeline", "HunyuanVideo15Pipeline"):
             config = self.pipe.text_encoder.config
             return int(getattr(config, "text_config", config).hidden_size)
         if self.text_family == "Flux2KleinPipeline":  # the stacked layers' widths side by side
@@ -304,6 +312,8 @@ class PipelineTextEncoder:
             }
         if self.text_family == "Flux2KleinPipeline":
             return self._dense(prefix, self._flux2(prompts))
+        if self.text_family == "HunyuanVideo15Pipeline":
+            return self._hunyuan15(prompts, prefix)
         if self.text_family == "FluxPipeline":
             # CLIP pooled + T5 padded to max_sequence_length: the transformer attends to every T5 row
             embeds, pooled, _ = self.pipe.encode_prompt(
@@ -346,6 +356,33 @@ class PipelineTextEncoder:
                         "text.max_sequence_length (chat template included)",
                     )
         return [e.float().cpu() for e in embeds]
+
+    def _hunyuan15(self, prompts: list[str], prefix: str) -> dict[str, Any]:
+        """HunyuanVideo-1.5's ``encode_prompt``: both streams cut to each prompt's valid rows (``{prefix}prompt_embeds``
+        and ``{prefix}prompt_embeds_2``, with their masks). A prompt that fills the pipeline's MLLM length was cut
+        there: said once."""
+        embeds, mask, embeds_2, mask_2 = self.pipe.encode_prompt(
+            prompt=list(prompts), device=self.device, dtype=torch.float32, batch_size=len(prompts)
+        )
+        limit = int(self.pipe.tokenizer_max_length)
+        out: dict[str, Any] = {}
+        for suffix, e, m in (("", embeds, mask), ("_2", embeds_2, mask_2)):
+            rows, masks = [], []
+            for prompt, states, keep in zip(prompts, e.float().cpu(), m.cpu().bool(), strict=True):
+                if suffix == "" and bool(keep.all()) and keep.numel() >= limit:
+                    warn_truncated(
+                        f"PipelineTextEncoder ({self.pipeline_class})", prompt, limit, limit, "the pipeline's MLLM limit"
+                    )
+                valid = states[keep]
+                if valid.shape[0] == 0:  # no quoted text: the pipeline's all-masked zeros, one row of them here
+                    rows.append(states.new_zeros((1, states.shape[-1])))
+                    masks.append(torch.zeros(1, dtype=torch.bool))
+                else:
+                    rows.append(valid)
+                    masks.append(torch.ones(valid.shape[0], dtype=torch.bool))
+            out[f"{prefix}prompt_embeds{suffix}"] = rows
+            out[f"{prefix}prompt_embeds_mask{suffix}"] = masks
+        return out
 
     def _flux2_layers(self) -> tuple[int, ...]:
         """The text-encoder layers ``encode_prompt`` stacks by default (its ``text_encoder_out_layers``; [klein]:

@@ -48,6 +48,13 @@ def paired(cond: dict[str, Any]) -> dict[str, Any]:
             ]
         ),
     }
+    if cond.get("prompt_embeds_2") is not None:  # a second text stream, stacked as the first
+        pos_2, neg_2 = cond["prompt_embeds_2"], cond["negative_prompt_embeds_2"]
+        length_2 = max(pos_2.shape[1], neg_2.shape[1])
+        out["prompt_embeds_2"] = torch.cat([_pad_to(pos_2, length_2), _pad_to(neg_2.to(pos_2.dtype), length_2)])
+        out["prompt_embeds_mask_2"] = torch.cat(
+            [_pad_to(cond["prompt_embeds_mask_2"], length_2), _pad_to(cond["negative_prompt_embeds_mask_2"], length_2)]
+        )
     for key, value in cond.items():  # an image condition is the same for both branches (conditioning.py)
         if key.startswith("condition_"):
             out[key] = torch.cat([value, value])

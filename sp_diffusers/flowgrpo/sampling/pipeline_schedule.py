@@ -23,6 +23,8 @@ keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer time
   - FLUX.2 (``Flux2KleinPipeline``, ``Flux2Pipeline``): ``set_timesteps(sigmas=linspace(1, 1/N, N), mu)`` (no
     sigmas where the config sets ``use_flow_sigmas``) with the pipelines' own ``compute_empirical_mu(image tokens,
     N)`` (it depends on the step count too; the config's base / max shift are not read).
+  - HunyuanVideo-1.5 (``HunyuanVideo15Pipeline``): ``set_timesteps(sigmas=linspace(1, 0, N + 1)[:-1])``, which the
+    scheduler shifts by its static ``shift`` (5 for the 480p checkpoints).
 
 - ``linspace`` schedules are DanceGRPO's (and verl-omni's ``dance_grpo``):
   ``sigmas = shift(linspace(1, 0, N + 1))`` computed in float32, and the model timestep ``int(1000 sigma)``
@@ -147,7 +149,7 @@ def pipeline_schedule(
     shift: float | None = None,
 ) -> Schedule:
     """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``flux``, ``flux2``, ``wan``,
-    ``zimage``) samples with.
+    ``zimage``, ``hunyuanvideo15``) samples with.
 
     Args:
         scheduler_config: the pipeline's scheduler config (``load_scheduler_config``); None: the family default.
@@ -191,6 +193,8 @@ def pipeline_schedule(
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), mu=mu)
     elif kind == "zimage":
         _set_zimage_timesteps(scheduler, num_steps, mu)
+    elif kind == "hunyuanvideo15":  # HunyuanVideo15Pipeline: linspace(1, 0, N + 1)[:-1], shifted by the scheduler
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_steps + 1)[:-1])
     elif mu is not None:
         scheduler.set_timesteps(num_steps, mu=mu)
     else:
