@@ -2,7 +2,7 @@
 video) calls it.
 
 - Latents: video ``[B, C, F, H, W]`` (``AutoencoderKLHunyuanVideo15``: 16x spatial, 4x temporal compression), kept as
-  they are; the VAE decodes ``z / scaling_factor`` (``decode.denormalize``: its config has no shift or statistics).
+  they are; the VAE decodes ``z / scaling_factor`` (``latent_scale.denormalize``: no shift, no statistics).
 - Condition channels: the pipeline concatenates condition latents ``[B, C, F, H, W]`` and a mask ``[B, 1, F, H, W]``
   to the latents, both zeros for text to video; ``in_channels`` is ``2 C + 1``.
 - Image stream: ``image_embeds`` of zeros ``[B, 729, image_embed_dim]`` (the pipeline's

@@ -50,7 +50,7 @@ class ZImageAdapter(FamilyAdapter):
         return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
 
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents  # AutoencoderKL decodes [B, C, H, W]; decode.denormalize applies scaling / shift
+        return latents  # AutoencoderKL decodes [B, C, H, W]; latent_scale.denormalize applies scaling / shift
 
     def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
         return decoded
