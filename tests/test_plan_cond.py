@@ -122,40 +122,23 @@ def test_plan_rl_answers_for_a_conditioned_builtin(capsys):
     assert any("first frame" in note for note in out["notes"])
 
 
-def test_plan_rl_answers_for_z_image(capsys):
-    """Z-Image's transformer takes lists (one latent, one caption per sample) and returns one: the RL iteration calls
-    it through the trainer's adapter and reads the velocity as the trainer does (one small layout: CI time)."""
+# the built-ins whose transformer the trainer calls through an adapter of its own, each at one small layout (CI
+# time): Z-Image (lists in, a list out), FLUX.2 [klein] (packed tokens, batched 4-axis ids, no guidance embedding),
+# HunyuanVideo-1.5 (zero condition channels, the MLLM stream, one masked glyph row, 729 zero image tokens)
+ADAPTED = {
+    "z-image-turbo": [],
+    "flux.2-klein-4b": [],
+    "hunyuanvideo-1.5": ["--frames", "5"],
+}
+
+
+@pytest.mark.parametrize("model", sorted(ADAPTED))
+def test_plan_rl_answers_for_the_adapted_builtins(capsys, model):
+    """The RL iteration calls the transformer through the trainer's adapter and reads the velocity as the trainer
+    does (``adapter.noisy_output``)."""
     from sp_diffusers.cli import main
 
-    argv = ["plan", "--model", "z-image-turbo", "--height", "256", "--width", "256", "--gpus", "8", "--ulysses", "2"]
-    argv += ["--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1", "--rl"]
-    argv += ["--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    (layout,) = out["layouts"]
-    assert layout["iteration"] and out["recommended"] is not None
-
-
-def test_plan_rl_answers_for_flux2_klein(capsys):
-    """FLUX.2 [klein] 4B: the RL iteration calls its transformer through the trainer's FLUX.2 adapter (packed tokens,
-    batched 4-axis ids, no guidance embedding) at one small layout (CI time)."""
-    from sp_diffusers.cli import main
-
-    argv = ["plan", "--model", "flux.2-klein-4b", "--height", "256", "--width", "256", "--gpus", "8", "--ulysses", "2"]
-    argv += ["--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1", "--rl"]
-    argv += ["--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    (layout,) = out["layouts"]
-    assert layout["iteration"] and out["recommended"] is not None
-
-
-def test_plan_rl_answers_for_hunyuanvideo15(capsys):
-    """HunyuanVideo-1.5 text to video: the RL iteration calls its transformer through the trainer's adapter (zero
-    condition channels, the MLLM stream, one masked glyph row, 729 zero image tokens) at one small layout (CI time)."""
-    from sp_diffusers.cli import main
-
-    argv = ["plan", "--model", "hunyuanvideo-1.5", "--height", "256", "--width", "256", "--frames", "5", "--gpus", "8"]
+    argv = ["plan", "--model", model, "--height", "256", "--width", "256", *ADAPTED[model], "--gpus", "8"]
     argv += ["--ulysses", "2", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1"]
     argv += ["--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
     assert main(argv) == 0

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import FamilyAdapter
-from .decode import PackedTokens, pack_2x2, unpack_2x2
+from .decode import ImageLatents, PackedTokens, VideoLatents, pack_2x2, unpack_2x2
 from .flux import FluxAdapter, flux_adapter
 from .flux2 import Flux2Adapter, flux2_adapter
 from .hunyuan15 import HunyuanVideo15Adapter, hunyuanvideo15_adapter
@@ -70,40 +69,13 @@ class QwenImageAdapter(PackedTokens):
 
 
 @dataclass(frozen=True)
-class SD3Adapter(FamilyAdapter):
+class SD3Adapter(ImageLatents):
     """``SD3Transformer2DModel``: latents ``[B, C, H, W]``, the schedule's timestep as is, pooled text from the
     pipeline's CLIP encoders when the text encoder gives it, else the masked mean of the embeddings.
 
     SD3 has no text mask of its own; the padded text keys are masked through ``joint_attention_kwargs``,
     which sp_diffusers' SD3 processor (``sp_diffusers.patching.plans``) honours, so padding to the SP degree is exact.
     """
-
-    height: int
-    width: int
-    channels: int
-    patch: int
-
-    @property
-    def tokens(self) -> int:
-        return (self.height // self.patch) * (self.width // self.patch)
-
-    def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.channels, self.height, self.width)
-
-    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
-
-    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
-
-    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded
-
-    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        return pixels
-
-    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return z
 
     def inputs(
         self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None
@@ -123,7 +95,7 @@ class SD3Adapter(FamilyAdapter):
 
 
 @dataclass(frozen=True)
-class WanAdapter(FamilyAdapter):
+class WanAdapter(VideoLatents):
     """``WanTransformer3DModel``: video latents ``[B, C, F, H, W]``, the schedule's timestep as is (``[B]``).
 
     Wan's transformer takes no text mask: its pipeline zero-pads every prompt's embeddings to
@@ -134,35 +106,7 @@ class WanAdapter(FamilyAdapter):
     and Wan does not shard the text anyway (its plan splits only the video tokens).
     """
 
-    frames: int
-    height: int
-    width: int
-    channels: int
-    patch: tuple[int, int, int]
     text_len: int
-
-    @property
-    def tokens(self) -> int:
-        pt, ph, pw = self.patch
-        return (self.frames // pt) * (self.height // ph) * (self.width // pw)
-
-    def latent_shape(self, batch: int) -> tuple[int, int, int, int, int]:
-        return (batch, self.channels, self.frames, self.height, self.width)
-
-    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents.permute(0, 2, 3, 4, 1)  # [B, C, F, H, W] -> [B, F, H, W, C]
-
-    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
-
-    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
-
-    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        return pixels.permute(0, 2, 1, 3, 4)  # [B, F, 3, H, W] -> [B, 3, F, H, W]
-
-    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return z
 
     def inputs(
         self, latents: Tensor, timestep: Tensor, embeds: Tensor, mask: Tensor, pooled: Tensor | None = None

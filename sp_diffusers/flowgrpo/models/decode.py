@@ -18,7 +18,15 @@ import torch
 
 from .base import FamilyAdapter
 
-__all__ = ["PackedTokens", "PixelDecoder", "PixelEncoder", "pack_2x2", "unpack_2x2"]
+__all__ = [
+    "ImageLatents",
+    "PackedTokens",
+    "PixelDecoder",
+    "PixelEncoder",
+    "VideoLatents",
+    "pack_2x2",
+    "unpack_2x2",
+]
 
 
 def unpack_2x2(tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
@@ -39,6 +47,74 @@ def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_2x2: latents of shape {tuple(latents.shape)} do not tile into 2x2 patches")
     x = latents.reshape(b, c, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return x.reshape(b, (height // 2) * (width // 2), 4 * c)
+
+
+@dataclass(frozen=True)
+class ImageLatents(FamilyAdapter):
+    """The latent geometry SD3 and Z-Image share: ``[B, C, H, W]`` as the VAE takes it (``patch`` x ``patch`` pixels of
+    it one token); the rewards read ``[B, H*W, C]``."""
+
+    height: int
+    width: int
+    channels: int
+    patch: int
+
+    @property
+    def tokens(self) -> int:
+        return (self.height // self.patch) * (self.width // self.patch)
+
+    def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
+        return (batch, self.channels, self.height, self.width)
+
+    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels
+
+    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
+        return z
+
+
+@dataclass(frozen=True)
+class VideoLatents(FamilyAdapter):
+    """The latent geometry Wan and HunyuanVideo-1.5 share: ``[B, C, F, H, W]`` as the VAE takes it, ``patch`` =
+    (frames, height, width) per token; the rewards read ``[B, F, H, W, C]``, pixels are ``[B, F, 3, H, W]``."""
+
+    frames: int
+    height: int
+    width: int
+    channels: int
+    patch: tuple[int, int, int]
+
+    @property
+    def tokens(self) -> int:
+        pt, ph, pw = self.patch
+        return (self.frames // pt) * (self.height // ph) * (self.width // pw)
+
+    def latent_shape(self, batch: int) -> tuple[int, int, int, int, int]:
+        return (batch, self.channels, self.frames, self.height, self.width)
+
+    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents.permute(0, 2, 3, 4, 1)  # [B, C, F, H, W] -> [B, F, H, W, C]
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
+        return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return pixels.permute(0, 2, 1, 3, 4)  # [B, F, 3, H, W] -> [B, 3, F, H, W]
+
+    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
+        return z
 
 
 @dataclass(frozen=True)

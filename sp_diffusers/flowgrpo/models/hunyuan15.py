@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .base import FamilyAdapter
+from .decode import VideoLatents
 
 __all__ = ["IMAGE_TOKENS", "HunyuanVideo15Adapter", "hunyuanvideo15_adapter"]
 
@@ -35,42 +35,15 @@ IMAGE_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: the zer
 
 
 @dataclass(frozen=True)
-class HunyuanVideo15Adapter(FamilyAdapter):
+class HunyuanVideo15Adapter(VideoLatents):
     """``HunyuanVideo15Transformer3DModel`` on ``[B, channels, frames, height, width]`` latents (text to video)."""
 
-    frames: int
-    height: int
-    width: int
-    channels: int  # the VAE's latent channels (the model's out_channels)
-    patch: tuple[int, int, int]
+    # VideoLatents' frames, height, width, channels (the VAE's latent channels: the model's out_channels), patch
     image_dim: int  # the model's image_embed_dim
     glyph_dim: int  # the model's text_embed_2_dim (byT5's width)
     # one sample per VAE call: diffusers' AutoencoderKLHunyuanVideo15 (0.42) builds its mid-block attention's
     # causal mask [B, L, L], which SDPA broadcasts against [B, 1, L, L] wrongly for B > 1 (an error)
     vae_batch: ClassVar[int] = 1
-
-    @property
-    def tokens(self) -> int:
-        pt, ph, pw = self.patch
-        return (self.frames // pt) * (self.height // ph) * (self.width // pw)
-
-    def latent_shape(self, batch: int) -> tuple[int, int, int, int, int]:
-        return (batch, self.channels, self.frames, self.height, self.width)
-
-    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents.permute(0, 2, 3, 4, 1)  # [B, C, F, H, W] -> [B, F, H, W, C]
-
-    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
-
-    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded.permute(0, 2, 1, 3, 4)  # [B, 3, F, H, W] -> [B, F, 3, H, W]
-
-    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        return pixels.permute(0, 2, 1, 3, 4)  # [B, F, 3, H, W] -> [B, 3, F, H, W]
-
-    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return z
 
     def inputs(
         self,

@@ -24,42 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import FamilyAdapter
+from .decode import ImageLatents
 
 __all__ = ["ZImageAdapter", "zimage_adapter"]
 
 
 @dataclass(frozen=True)
-class ZImageAdapter(FamilyAdapter):
+class ZImageAdapter(ImageLatents):
     """``ZImageTransformer2DModel`` at latent ``height`` x ``width`` (multiples of ``patch``), ``channels`` wide."""
-
-    height: int
-    width: int
-    channels: int
-    patch: int
-
-    @property
-    def tokens(self) -> int:
-        """Image tokens per sample (after 2 x 2 patching): the pipeline's ``image_seq_len``."""
-        return (self.height // self.patch) * (self.width // self.patch)
-
-    def latent_shape(self, batch: int) -> tuple[int, int, int, int]:
-        return (batch, self.channels, self.height, self.width)
-
-    def reward_view(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents.flatten(2).transpose(1, 2)  # [B, C, H, W] -> [B, H*W, C]
-
-    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents  # AutoencoderKL decodes [B, C, H, W]; latent_scale.denormalize applies scaling / shift
-
-    def pixel_layout(self, decoded: torch.Tensor) -> torch.Tensor:
-        return decoded
-
-    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        return pixels
-
-    def from_vae_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return z
 
     def noisy_output(self, out: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
         """The model's per-sample ``[C, 1, H, W]`` list -> the pipeline's velocity ``[B, C, H, W]`` (negated)."""
