@@ -2,7 +2,7 @@
 # The real-run path on 2 CPU processes at tiny size: pipeline folder -> FlowGRPO with rewards you bring, a .jsonl
 # dataset with eval and sample grids -> `sp-diffusers export` -> `sp-diffusers sample` under SP.
 #   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan, wan2.2, zimage,
-#                                                      # flux2-klein or hunyuanvideo15 for the others)
+#                                                      # flux2-klein, hunyuanvideo15 or ltx2 for the others)
 #   FAMILY=qwenimage-edit bash examples/run_trainer_io_tiny.sh   # editing / I2V on image rows: flux-kontext,
 #                                                      # qwenimage-edit, wan-i2v, wan2.2-i2v, wan2.2-ti2v
 #   RUNS=/tmp/runs bash examples/run_trainer_io_tiny.sh  # where the pipeline, run and export go (default runs/)
@@ -21,13 +21,16 @@ case $family in
     config=examples/configs/tiny_image_cond_sp2.yaml size=32 length=512 image=(--image examples/data/images/blue.png)
     [[ $family == wan2.2-i2v ]] && extra=(--set flowgrpo.window_size=4 --set "flowgrpo.window_range=[0,1]")
     ;;
+  ltx2) size=32 ;;  # LTX2Pipeline samples at multiples of 32 pixels
 esac
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers train \
   --config "$config" --set "model.pipeline=$pipe" --out-dir "$run" "${extra[@]}" "$@"
 .venv/bin/sp-diffusers export --run "$run" --out "$out" --force   # a rerun replaces its own export
-ext=png; [[ $family == wan* || $family == hunyuanvideo* ]] && ext=mp4
-# the edit pipelines resize the source to ~1 MP (4096 condition tokens with the tiny 8x VAE): one prompt there
-prompts=(--prompt "a red teapot"); [[ ${#image[@]} -eq 0 || $family == wan* ]] && prompts+=(--prompt "a blue sailboat")
+ext=png; [[ $family == wan* || $family == hunyuanvideo* || $family == ltx2 ]] && ext=mp4
+# the edit pipelines resize the source to ~1 MP (4096 condition tokens with the tiny 8x VAE): one prompt there;
+# LTX-2: one, so that its soundtrack is muxed into the MP4 (several: a WAV each beside a tiled MP4)
+prompts=(--prompt "a red teapot")
+[[ (${#image[@]} -eq 0 && $family != ltx2) || $family == wan* ]] && prompts+=(--prompt "a blue sailboat")
 .venv/bin/torchrun --standalone --nproc_per_node 2 --no-python .venv/bin/sp-diffusers sample --ulysses 2 \
   --pipeline "$out" "${prompts[@]}" "${image[@]}" --steps 6 --height $size --width $size --frames 5 \
   --max-sequence-length $length --out "$run/sample.$ext"

@@ -62,6 +62,12 @@ def pipeline_folder(tmp_path_factory):
                 "zimage": {"dim": 96, "n_heads": 6, "n_kv_heads": 6},
                 "flux2-klein": {"num_attention_heads": 6},
                 "hunyuanvideo15": {"num_attention_heads": 6},
+                "ltx2": {
+                    "num_attention_heads": 6,
+                    "cross_attention_dim": 96,
+                    "audio_num_attention_heads": 6,
+                    "audio_cross_attention_dim": 48,
+                },
             }.get(family, {})
             written[kind] = str(save_tiny_pipeline(family, tmp_path_factory.mktemp(kind), num_layers=2, **wide))
         return written.get(kind, "")
@@ -77,6 +83,7 @@ def pipeline_folder(tmp_path_factory):
     + [(layout, False, "zimage_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [(layout, False, "flux2_klein_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [(layout, False, "hunyuanvideo15_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
+    + [(layout, False, "ltx2_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [
         ("hsdp2_sp2", False, "qwenimage"),
         ("hsdp2_sp2", True, "qwenimage"),
@@ -91,7 +98,9 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     Z-Image from a real ZImagePipeline folder (per-sample lists in and out, its chat-templated Qwen3 text, our plan)
     at Ulysses 2, 3 and 2 x Ring 2; FLUX.2 [klein] from a real Flux2KleinPipeline folder (packed tokens, batched
     4-axis ids, its stacked Qwen3 layers, diffusers' own plan) at the same three; HunyuanVideo-1.5 from a real
-    HunyuanVideo15Pipeline folder (two text streams, zero condition channels and image tokens, our plan) too;
+    HunyuanVideo15Pipeline folder (two text streams, zero condition channels and image tokens, our plan) too; LTX-2
+    from a real LTX2Pipeline folder (video and audio tokens in one latent tensor, the connectors' two text streams,
+    our two-stream plan) too;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2;
     hsdp2_* shard within 2 replica groups of 2 ranks and all-reduce gradients across them (HSDP)."""
     world, sp, ring, *replicate = {**LAYOUTS, **EXTRA_LAYOUTS, **HSDP_LAYOUTS}[layout]

@@ -52,7 +52,8 @@ def _error(err: str) -> str:
     [("tiny_wan_sp2.yaml", "wan", "WanPipeline"), ("flux1_dev_lora.yaml", "flux", "FluxPipeline"),
      ("wan22_a14b_lora.yaml", "wan", "WanPipeline"), ("z_image_turbo_lora.yaml", "zimage", "ZImagePipeline"),
      ("flux2_klein_lora.yaml", "flux2", "Flux2KleinPipeline"),
-     ("hunyuanvideo15_lora.yaml", "hunyuanvideo15", "HunyuanVideo15Pipeline")],
+     ("hunyuanvideo15_lora.yaml", "hunyuanvideo15", "HunyuanVideo15Pipeline"),
+     ("ltx2_lora.yaml", "ltx2", "LTX2Pipeline")],
 )
 def test_a_kind_that_disagrees_with_its_pipeline_folder_is_refused(
     capsys, monkeypatch, tmp_path, folders, config, kind, pipeline_class, check

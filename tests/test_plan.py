@@ -114,6 +114,7 @@ def test_every_builtin_model_builds_from_its_config():
         "hunyuanvideo-1.5": {"transformer_blocks": 54},
         "sd3.5-large": {"transformer_blocks": 38},
         "ltx-video": {"transformer_blocks": 28},
+        "ltx-2": {"transformer_blocks": 48},
         "cogvideox-5b": {"transformer_blocks": 42},
         "z-image-turbo": {"layers": 30},
         "flux.2-klein-4b": {"transformer_blocks": 5, "single_transformer_blocks": 20},
@@ -139,9 +140,11 @@ def test_every_builtin_family_traces_through_the_engine_at_world_size_8():
     from sp_diffusers.planner.trace import TraceRequest, block_lists, run_trace
 
     families = {spec.kind: spec for spec in BUILTIN.values() if spec.kind != "wan" and not spec.condition}
-    assert len(families) == 9
+    assert len(families) == 10
     for kind, spec in families.items():
         work = workload_from_tokens(spec, 1023, text_len=31)
+        if kind == "ltx2":  # 9 frames, 9 audio tokens: one per SP rank at least (1023 tokens: 1 frame, 1 audio token)
+            work = workload_from_pixels(spec, 352, 288, 9, text_len=31)  # 2 x 11 x 9 = 198 video tokens: uneven
         blocks = tuple((k, 1) for k in block_lists(spec))
         train, _ = run_trace(TraceRequest(spec, work, 8, ulysses=2, ring=2, blocks=blocks, rollout=False))
         parts = max(train.places.values(), key=lambda p: p["total"])

@@ -145,3 +145,34 @@ def test_plan_rl_answers_for_the_adapted_builtins(capsys, model):
     out = json.loads(capsys.readouterr().out)
     (layout,) = out["layouts"]
     assert layout["iteration"] and out["recommended"] is not None
+
+
+def test_plan_rl_answers_for_ltx2(capsys):
+    """LTX-2 (video with audio): the trainer's adapter takes one latent tensor of video then audio tokens (9 frames
+    at 24 fps: round(9 / 24 x 25) = 9 audio latents, as LTX2Pipeline makes them) and both text streams, and its
+    velocity joins the forward's (video, audio) outputs; the plan counts the audio tokens and says so."""
+    import torch
+
+    from sp_diffusers.cli import main
+    from sp_diffusers.planner.iteration import iteration_inputs
+    from sp_diffusers.tiny import tiny_model
+
+    spec = resolve_model("ltx-2")
+    work = workload_from_pixels(spec, 256, 256, 9)
+    assert work.grid == (2, 8, 8) and work.audio_tokens == 9 and "9 audio tokens" in work.describe(spec)
+    assert workload_from_pixels(spec, *spec.default_size).audio_tokens == 126  # 121 frames: 5.04 s x 25
+    tiny = tiny_model("ltx2", num_layers=1, in_channels=8, audio_in_channels=8)
+    calls = iteration_inputs(spec, tiny, workload_from_pixels(spec, 64, 64, 9, text_len=8))
+    kwargs = calls(2, torch.tensor(500.0))
+    assert kwargs["hidden_states"].shape == (2, 2 * 2 * 2, 8) and kwargs["audio_hidden_states"].shape == (2, 9, 8)
+    assert kwargs["audio_encoder_hidden_states"].shape == kwargs["encoder_hidden_states"].shape
+    assert calls.velocity(tiny(**kwargs, return_dict=False)).shape == (2, 8 + 9, 8)
+
+    argv = ["plan", "--model", "ltx-2", "--height", "256", "--width", "256", "--frames", "9", "--text-len", "128"]
+    argv += ["--gpus", "8", "--ulysses", "2", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32"]
+    argv += ["--batch", "1", "--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None
+    assert any("audio tokens" in note for note in out["notes"])

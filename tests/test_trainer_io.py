@@ -30,7 +30,7 @@ from ._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = ROOT / "examples" / "rewards" / "simple_rewards.py"
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein", "hunyuanvideo15")
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein", "hunyuanvideo15", "ltx2")
 ROWS = [
     {"prompt": "a red cat", "color": "red"},
     {"prompt": "a green house", "color": "green"},
@@ -52,6 +52,9 @@ def _argv(family: str, pipeline: Path, data: Path, run: Path) -> list[str]:
         "train.save_every": 0,
         "train.progress": "false",
         "flowgrpo.rewards": f"[{{fn: {REWARDS}:color_match}}, {{fn: {REWARDS}:brightness, weight: 0.5}}]",
+        # LTX-2: the soundtrack too (metadata["audio"] beside the frames)
+        **({"flowgrpo.rewards": f"[{{fn: {REWARDS}:color_match}}, {{fn: {REWARDS}:loudness, weight: 0.5}}]"}
+           if family == "ltx2" else {}),
         "flowgrpo.num_steps": 4,
         "flowgrpo.window_size": 4 if family == "wan2.2" else 2,  # wan2.2: every step, so both experts train
         "flowgrpo.window_range": "[0, 1]" if family == "wan2.2" else "[0, 2]",
@@ -89,21 +92,28 @@ def test_three_iterations_with_file_rewards_jsonl_data_and_eval(trained, family)
     lines = trained["metrics"][family]
     run = trained["root"] / "runs" / family
     assert [m["iteration"] for m in lines] == [1, 2, 3]
+    second = "loudness" if family == "ltx2" else "brightness"  # LTX-2's reads the soundtrack
     for m in lines:
-        assert {"reward/color_match", "reward/brightness", "grad_norm", "epoch"} <= set(m)
-        assert abs(m["reward_mean"] - (m["reward/color_match"] + 0.5 * m["reward/brightness"])) < 1e-5
+        assert {"reward/color_match", f"reward/{second}", "grad_norm", "epoch"} <= set(m)
+        assert abs(m["reward_mean"] - (m["reward/color_match"] + 0.5 * m[f"reward/{second}"])) < 1e-5
     # the per-epoch stream continues where the checkpoint left it (Qwen-Image resumed at 2): 1 prompt an iteration
     assert [round(m["epoch"] * 3) for m in lines] == [1, 2, 3]
     assert "eval_reward_mean" in lines[2] and "eval_reward_mean" not in lines[1]
-    assert {"eval/color_match", "eval/brightness"} <= set(lines[2])
+    assert {"eval/color_match", f"eval/{second}"} <= set(lines[2])
     if family == "wan2.2":
         assert {"grad_norm/transformer", "grad_norm/transformer_2"} <= set(lines[0])
         assert lines[0]["grad_norm/transformer"] > 0 and lines[0]["grad_norm/transformer_2"] > 0
-    video = family.startswith(("wan", "hunyuanvideo"))
+    video = family.startswith(("wan", "hunyuanvideo", "ltx2"))
     sample = run / "samples" / f"iteration-00000003.{'gif' if video else 'png'}"
     if video and not sample.exists():
         sample = sample.with_suffix(".mp4")
     assert sample.stat().st_size > 0
+    if family == "ltx2":  # each sample's soundtrack beside the tiled video, at the vocoder's rate
+        from sp_diffusers.flowgrpo.io.media import read_wav
+
+        wave, rate = read_wav(sample.with_suffix(".0.wav"))
+        assert wave.shape[0] == 2 and wave.shape[1] > 0 and rate > 0 and sample.with_suffix(".1.wav").is_file()
+        assert all(-0.5 < m["reward/loudness"] <= 0 for m in lines)  # -|rms - 0.1| of a waveform in [-1, 1]
     assert (run / "metrics.png").stat().st_size > 10_000
     assert list((run / "tensorboard").glob("events.*"))
 
@@ -149,6 +159,7 @@ def test_plain_diffusers_reproduces_the_trained_model(exported, trained, family)
         "zimage": "ZImagePipeline",
         "flux2-klein": "Flux2KleinPipeline",
         "hunyuanvideo15": "HunyuanVideo15Pipeline",
+        "ltx2": "LTX2Pipeline",
     }
     for r in results.values():
         bound = 1e-5 + 1e-5 * r["scale"]

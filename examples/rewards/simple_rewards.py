@@ -37,3 +37,13 @@ def source_similarity(images: torch.Tensor, prompts: list[str], metadata: list[d
     first = images[:, 0] if images.dim() == 5 else images
     sources = torch.stack([row["source_image"] for row in metadata]).to(first)
     return -(first.float() - sources.float()).abs().flatten(1).mean(dim=1)
+
+
+def loudness(images: torch.Tensor, prompts: list[str], metadata: list[dict], target: float = 0.1) -> torch.Tensor:
+    """An audio reward (LTX-2: the soundtrack beside the video): how close the waveform's RMS level is to ``target``,
+    ``-|rms - target|`` (0 is best).
+
+    A family that makes sound gives each sample's waveform beside the row's fields: ``metadata[i]["audio"]`` is
+    ``[channels, samples]`` float32 in [-1, 1] and ``metadata[i]["audio_sample_rate"]`` its rate (Hz)."""
+    rms = torch.stack([row["audio"].float().square().mean().sqrt() for row in metadata])
+    return -(rms - target).abs()

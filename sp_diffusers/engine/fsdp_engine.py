@@ -268,9 +268,11 @@ class FSDPEngine:
         """How many transformers take turns along the schedule (one here; Wan2.2-A14B's ``ExpertEngines``: two)."""
         return 1
 
-    def forward(self, **inputs: Any) -> torch.Tensor:
-        """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank)."""
-        return self.model(**inputs, return_dict=False)[0]
+    def forward(self, **inputs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The transformer's output for ``inputs`` (full sequence, gathered on every SP rank): its one tensor, or
+        the tuple of a model with several outputs (LTX-2's video and audio; the family adapter joins them)."""
+        out = self.model(**inputs, return_dict=False)
+        return out[0] if len(out) == 1 else tuple(out)
 
     def broadcast_in_sp_group(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Every tensor (and list of tensors) as the SP group's first rank has it."""

@@ -76,6 +76,22 @@ SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
         "shift": 5.0,
         "use_dynamic_shifting": False,
     },
+    # Lightricks/LTX-2 scheduler_config.json (LTX-2.0 full model; diffusers' scripts/convert_ltx2_to_diffusers.py
+    # writes the same: time_shift_type is the constructor's default). LTX2Pipeline passes linspace(1, 1/N, N) sigmas
+    # and mu = calculate_shift(video tokens, 1024, 4096, 0.95, 2.05); the distilled checkpoints turn dynamic shifting
+    # and shift_terminal off instead.
+    "ltx2": {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "base_image_seq_len": 1024,
+        "base_shift": 0.95,
+        "max_image_seq_len": 4096,
+        "max_shift": 2.05,
+        "num_train_timesteps": 1000,
+        "shift": 1.0,
+        "shift_terminal": 0.1,
+        "time_shift_type": "exponential",
+        "use_dynamic_shifting": True,
+    },
     # black-forest-labs/FLUX.1-dev scheduler_config.json (FluxPipeline passes linspace(1, 1/N, N) and mu)
     "flux": {
         "_class_name": "FlowMatchEulerDiscreteScheduler",

@@ -158,10 +158,12 @@ def check_run(
     """What only the assembled parts can tell: text width vs the model, enough tokens for the SP degree, the
     window (token counts need not divide the degree: uneven shards are exact)."""
     c, g = config, config.flowgrpo
-    # the model's text width: joint_attention_dim, Wan's text_dim, Z-Image's cap_feat_dim
-    keys = ("joint_attention_dim", "text_dim", "cap_feat_dim")
+    # the model's text width: joint_attention_dim, Wan's text_dim, Z-Image's cap_feat_dim, LTX-2's caption_channels
+    keys = ("joint_attention_dim", "text_dim", "cap_feat_dim", "caption_channels")
     width_key = next((k for k in keys if hasattr(model.config, k)), "text_dim")
     text_dim = getattr(model.config, width_key, None)
+    if getattr(model.config, "use_prompt_embeddings", True) is False:  # LTX-2.3: the connectors project per stream
+        text_dim = None
     if text_dim is not None and text_dim != text_encoder.hidden_size:
         key = "text.pipeline" if c.text.pipeline else "text.hidden_size"
         raise ValueError(

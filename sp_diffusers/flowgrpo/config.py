@@ -75,6 +75,9 @@ class ModelConfig:
     image_size: int = 8  # latent height before patching (pixels / the VAE's factor; tokens = (size / patch)^2)
     image_width: int = 0  # latent width (0: image_size, square)
     frames: int = 4  # latent frames of a video family (wan); image families ignore it
+    # LTX-2: latent audio frames (0: as LTX2Pipeline gives a video of `frames` at `frame_rate`, from model.pipeline)
+    audio_frames: int = 0
+    frame_rate: float = 24.0  # LTX-2: the video's frame rate (its positions are conditioned on it; the MP4's)
     # editing families (Qwen-Image-Edit, FLUX.1 Kontext): the condition image's area in pixels; 0: the pipeline's
     # own (about 1 MP), at the output's aspect ratio (models/conditioning.py)
     condition_area: int = 0
@@ -425,6 +428,8 @@ def validate(config: TrainConfig) -> None:
     if not (m.kind or m.pipeline or m.pretrained):
         m.kind = TINY_KIND  # no folder to take the family from: the tiny default (a folder's is read at start)
     require(t.iterations >= 1, "train.iterations", t.iterations, "train at least 1 iteration")
+    require(m.audio_frames >= 0, "model.audio_frames", m.audio_frames, "latent audio frames >= 1, or 0 (the pipeline's)")
+    require(finite(m.frame_rate) and m.frame_rate > 0, "model.frame_rate", m.frame_rate, "frames a second, > 0")
     require(
         t.save_every >= 0, "train.save_every", t.save_every, "0 (only at the end) or a positive interval"
     )

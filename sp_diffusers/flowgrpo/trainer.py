@@ -62,7 +62,8 @@ from .models.adapters import build_adapter
 from .models.conditioning import PromptEncoder, build_conditioning
 from .models.decode import PixelDecoder, PixelEncoder
 from .models.experts import ExpertEngines, build_engines, check_expert_steps, route
-from .models.pipeline_io import load_vae, resolve_pipeline
+from .models.ltx2 import AudioDecoder
+from .models.pipeline_io import load_audio_decoders, load_vae, resolve_pipeline
 from .models.text import DEFAULT_PROMPTS
 from .rewards.builtin import Reward
 from .rewards.features import features_for
@@ -130,6 +131,9 @@ class FlowGRPOTrainer:
             text_len=c.text.max_sequence_length,
             guidance_scale=c.flowgrpo.guidance_scale,
             image_width=c.model.image_width,
+            audio_frames=c.model.audio_frames,
+            frame_rate=c.model.frame_rate,
+            pipeline=c.model.pipeline,
         )
         # editing / image-to-video pipelines: the condition's adapter and its encoder (models/conditioning.py)
         self.adapter, self.conditioner = build_conditioning(
@@ -143,11 +147,13 @@ class FlowGRPOTrainer:
         self.decoder = (
             PixelDecoder(vae, self.adapter, self.engine.device, c.flowgrpo.micro_batch_size) if vae else None
         )
+        audio = load_audio_decoders(c)  # LTX-2's audio VAE and vocoder: waveforms beside the pixels
+        self.audio_decoder = AudioDecoder(*audio, self.adapter, self.engine.device) if audio else None
         self.pair_latents = self._pair_latents(vae) if pair_rows or eval_pair_rows else None
         self.eval_pair_rows = eval_pair_rows
         # a callable (latents, prompts) -> [B] given here (or set later: trainer.reward) replaces the configured ones
         features = features_for(self.algorithm.image_features(), self.engine.device)  # GARDO's diversity features
-        rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder, features)
+        rewards = RewardSet.from_config(c, self.adapter, self.engine, self.decoder, features, self.audio_decoder)
         self.scorer = Scorer(rewards, self.adapter.reward_view, reward)
         self.schedule = run_schedule(c, self.adapter)
         self.sigmas = self.schedule.sigmas
@@ -182,6 +188,7 @@ class FlowGRPOTrainer:
             weights=self.weight_holder,
             decoder=self.decoder,
             rank=self.rank,
+            audio_decoder=self.audio_decoder,
             out_dir=self.out_dir,
             eval_rows=eval_rows,
             sample_rows=eval_rows or train_rows or [PromptRow(p) for p in self.prompts],

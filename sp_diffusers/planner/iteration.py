@@ -52,8 +52,8 @@ __all__ = [
 Ledger = dict[tuple[str, str], tuple[int, int]]  # (phase, kind) -> (calls, bytes)
 
 # the width of the text a family's transformer takes (HunyuanVideo-1.5: its MLLM stream; the byT5 stream is left to
-# the adapter's default, one masked row: a prompt without quoted text)
-_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "cap_feat_dim", "text_embed_dim")
+# the adapter's default, one masked row: a prompt without quoted text; LTX-2: its connectors' width, both streams)
+_TEXT_DIM_KEYS = ("joint_attention_dim", "text_dim", "cap_feat_dim", "text_embed_dim", "caption_channels")
 
 
 @dataclass(frozen=True)
@@ -161,14 +161,16 @@ def compose(pieces: Pieces, rl: RLKnobs, micro_batch: int, held: bool, update_he
 def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> Any:
     """``inputs(batch, timestep) -> forward kwargs`` as the trainer makes them (``flowgrpo.models`` adapters: the
     one source of how each family is called), text of ``work.text_len`` tokens, masked where the family takes a
-    mask; an image-conditioned built-in's condition too (:func:`_conditioned`). Families the trainer has no adapter
-    for are refused."""
+    mask; an image-conditioned built-in's condition too (:func:`_conditioned`); LTX-2's audio stream as its pipeline
+    makes it (``work.audio_tokens`` latents at 24 fps, a second text stream of the video's length and mask).
+    Families the trainer has no adapter for are refused."""
     from ..flowgrpo.models.adapters import build_adapter
 
     f = spec.family
     t, h, w = work.grid
     try:
-        adapter = build_adapter(model, h * f.patch, True, t * f.patch_t, work.text_len, 3.5, w * f.patch)
+        audio = dict(audio_frames=work.audio_tokens) if work.audio_tokens else {}  # at the default 24 fps
+        adapter = build_adapter(model, h * f.patch, True, t * f.patch_t, work.text_len, 3.5, w * f.patch, **audio)
     except ValueError as err:
         raise PlanError(f"--rl: {spec.name}: {err}") from None
     condition_of = None
@@ -184,6 +186,8 @@ def iteration_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) ->
         embeds = torch.randn(batch, work.text_len, width).to(dtype)
         mask = torch.ones(batch, work.text_len, dtype=torch.bool)
         extra = torch.randn(batch, pooled).to(dtype) if pooled and f.kind in ("sd3", "flux") else None
+        if f.kind == "ltx2":  # the connectors' audio stream: the video stream's length and mask
+            return adapter.inputs(latents, timestep, embeds, mask, extra, text_2=(torch.randn_like(embeds), mask))
         if condition_of is None:
             return adapter.inputs(latents, timestep, embeds, mask, extra)
         return adapter.inputs(latents, timestep, embeds, mask, extra, condition=condition_of(batch, dtype))

@@ -5,6 +5,7 @@ degrees validated here, once, with the valid ones named.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .models import ModelSpec, PlanError
@@ -19,7 +20,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def _heads(spec: ModelSpec) -> int:
-    return int(spec.config.get("num_attention_heads", spec.config.get("n_heads", 1)))  # Z-Image: n_heads
+    """The heads a Ulysses degree must divide: every attention's (LTX-2: its audio stream's too)."""
+    heads = int(spec.config.get("num_attention_heads", spec.config.get("n_heads", 1)))  # Z-Image: n_heads
+    audio = spec.config.get("audio_num_attention_heads")
+    return math.gcd(heads, int(audio)) if audio else heads
 
 
 def layouts(req: PlanRequest) -> list[tuple[int, int]]:
@@ -50,7 +54,25 @@ def layouts(req: PlanRequest) -> list[tuple[int, int]]:
                 )
             rings = [req.ring]
         pairs += [(u, r) for r in rings]
-    return pairs
+    return _audio_fits(req, pairs)
+
+
+def _audio_fits(req: PlanRequest, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """LTX-2: sequence parallelism splits the audio stream too, which needs at least one audio token per rank of
+    ulysses x ring (the trainer refuses fewer, as for any split input); the layouts with more ranks are dropped,
+    refused when they were asked for."""
+    audio = getattr(req.work, "audio_tokens", 0)
+    if not audio:
+        return pairs
+    kept = [(u, r) for u, r in pairs if u * r <= audio]
+    if not kept:
+        u, r = min(pairs, key=lambda p: p[0] * p[1])
+        raise PlanError(
+            f"ulysses x ring = {u * r} exceeds the {audio} audio tokens of {req.spec.name}'s micro-batch (sequence "
+            "parallelism splits the audio stream, at least one token per rank); fix: a longer video (--frames, or "
+            f"--tokens: 25 audio tokens a second at 24 fps), or --ulysses / --ring with a product of at most {audio}"
+        )
+    return kept
 
 
 def checkpointing(req: PlanRequest) -> list[bool]:

@@ -6,15 +6,20 @@ Nothing is downloaded. Sources (read when this file was written):
   diffusers' conversion scripts write them (``scripts/convert_wan_to_diffusers.py``,
   ``convert_hunyuan_video_to_diffusers.py``, ``convert_hunyuan_video1_5_to_diffusers.py`` (720p_t2v: target_size
   960, task_type t2v; the rest are the class defaults), ``convert_cogvideox_to_diffusers.py`` (1.0),
-  ``convert_ltx_to_diffusers.py``, ``convert_flux2_to_diffusers.py`` (FLUX.2 [klein] 4B, [dev])); the values equal
-  the released config.json files.
+  ``convert_ltx_to_diffusers.py``, ``convert_flux2_to_diffusers.py`` (FLUX.2 [klein] 4B, [dev]),
+  ``convert_ltx2_to_diffusers.py`` (version 2.0: LTX-2)); the values equal the released config.json files.
 - VAE compression: the VAE class defaults in diffusers (``AutoencoderKLWan`` 8x spatial / 4x temporal,
   ``AutoencoderKLHunyuanVideo`` 8 / 4, ``AutoencoderKLHunyuanVideo15`` 16 / 4, ``AutoencoderKLLTXVideo`` 32 / 8,
+  ``AutoencoderKLLTX2Video`` 32 / 8 (LTX-2's, as its conversion script writes it),
   ``AutoencoderKLCogVideoX`` 8 / 4; Qwen-Image, FLUX.1, FLUX.2 (``AutoencoderKLFlux2``) and SD3 8x spatial).
 - text lengths: the ``max_sequence_length`` defaults of each pipeline's ``__call__`` (Wan 512, Qwen-Image 512
   (its cap), FLUX 512, HunyuanVideo 256, HunyuanVideo-1.5 1000 (MLLM; the byT5 stream is half of it here),
   SD3 77 CLIP + 256 T5 = 333, LTX-Video 128, CogVideoX 226, Z-Image 512 (its cap: the chat-templated prompt's
-  valid tokens, fewer for a short prompt), FLUX.2 512 (padded: every row seen)).
+  valid tokens, fewer for a short prompt), FLUX.2 512 (padded: every row seen), LTX-2 1024 (its connectors' learnable registers fill the padding: every
+  row seen, in each of its two text streams)).
+- LTX-2's audio: ``LTX2Pipeline`` makes ``round(frames / frame_rate x 25)`` audio latents (one token each, beside
+  the video's) at its default 24 fps; 25 a second is the transformer config's ``audio_sampling_rate /
+  audio_hop_length / audio_scale_factor`` (16000 / 160 / 4, the audio VAE's), which ``shapes.py`` reads.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from .released_configs import (
     FLUX2_DEV,
     FLUX2_KLEIN_4B,
     FLUX_DEV,
+    LTX_2,
     QWEN_IMAGE,
     QWEN_IMAGE_2512,
     WAN_14B,
@@ -72,6 +78,7 @@ FAMILIES: dict[str, Family] = {
     "cogvideox": Family("cogvideox", 8, 4, 2, 1, 226, True),
     "zimage": Family("zimage", 8, 1, 2, 1, 512, False),
     "flux2": Family("flux2", 8, 1, 2, 1, 512, False),  # the pipelines pack 2 x 2 latents per token
+    "ltx2": Family("ltx2", 32, 8, 1, 1, 1024, True),  # plus an audio stream (shapes.py: Workload.audio_tokens)
 }
 
 
@@ -270,6 +277,18 @@ BUILTIN: dict[str, ModelSpec] = {
         FAMILIES["ltx"],
         source="Lightricks/LTX-Video (0.9.x, 2B)",
         default_size=(512, 704, 161),
+    ),
+    "ltx-2": ModelSpec(
+        "ltx-2",
+        "ltx2",
+        dict(LTX_2),
+        FAMILIES["ltx2"],
+        source="Lightricks/LTX-2 (2.0, 19B)",
+        default_size=(512, 768, 121),
+        notes=(
+            "video with audio: round(frames / 24 x 25) audio tokens (24 fps, 25 audio latents a second) beside the "
+            "video's, in their own 2048-wide stream; sequence parallelism splits both streams",
+        ),
     ),
     "cogvideox-5b": ModelSpec(
         "cogvideox-5b",

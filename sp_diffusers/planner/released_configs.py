@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FLUX2_DEV", "FLUX2_KLEIN_4B", "FLUX_DEV", "QWEN_IMAGE", "QWEN_IMAGE_2512", "WAN_14B", "Z_IMAGE_TURBO"]
+__all__ = [
+    "FLUX2_DEV",
+    "FLUX2_KLEIN_4B",
+    "FLUX_DEV",
+    "LTX_2",
+    "QWEN_IMAGE",
+    "QWEN_IMAGE_2512",
+    "WAN_14B",
+    "Z_IMAGE_TURBO",
+]
 
 WAN_14B: dict[str, Any] = {  # Wan-AI/Wan2.1-T2V-14B-Diffusers
     "patch_size": (1, 2, 2),
@@ -94,4 +103,54 @@ FLUX2_DEV: dict[str, Any] = {  # black-forest-labs/FLUX.2-dev: Mistral-Small-3.2
     "num_attention_heads": 48,
     "joint_attention_dim": 15360,
     "guidance_embeds": True,
+}
+
+# LTX-2: diffusers' scripts/convert_ltx2_to_diffusers.py (get_ltx2_transformer_config, version "2.0", model_id
+# Lightricks/LTX-2), which writes the released transformer/config.json. Video 32 x 128 heads (4096 wide), audio
+# 32 x 64 (2048 wide), 48 blocks of both; caption_channels = Gemma 3's 3840-wide states out of the pipeline's
+# connectors, one stream each; audio_sampling_rate / audio_hop_length / audio_scale_factor = 16000 / 160 / 4 = 25
+# audio latents a second (the audio VAE's).
+LTX_2: dict[str, Any] = {  # Lightricks/LTX-2 (19B audio-video)
+    "in_channels": 128,
+    "out_channels": 128,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "vae_scale_factors": (8, 32, 32),
+    "pos_embed_max_pos": 20,
+    "base_height": 2048,
+    "base_width": 2048,
+    "gated_attn": False,
+    "cross_attn_mod": False,
+    "audio_in_channels": 128,
+    "audio_out_channels": 128,
+    "audio_patch_size": 1,
+    "audio_patch_size_t": 1,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "audio_scale_factor": 4,
+    "audio_pos_embed_max_pos": 20,
+    "audio_sampling_rate": 16000,
+    "audio_hop_length": 160,
+    "audio_gated_attn": False,
+    "audio_cross_attn_mod": False,
+    "num_layers": 48,
+    "activation_fn": "gelu-approximate",
+    "qk_norm": "rms_norm_across_heads",
+    "norm_elementwise_affine": False,
+    "norm_eps": 1e-6,
+    "caption_channels": 3840,
+    "attention_bias": True,
+    "attention_out_bias": True,
+    "rope_theta": 10000.0,
+    "rope_double_precision": True,
+    "causal_offset": 1,
+    "timestep_scale_multiplier": 1000,
+    "cross_attn_timestep_scale_multiplier": 1000,
+    "rope_type": "split",
+    "use_prompt_embeddings": True,
+    "perturbed_attn": False,
 }

@@ -12,9 +12,10 @@ import torch
 
 from .models import ModelSpec, PlanError
 
-__all__ = ["Workload", "build_inputs", "workload_from_pixels", "workload_from_tokens"]
+__all__ = ["Workload", "audio_tokens", "build_inputs", "workload_from_pixels", "workload_from_tokens"]
 
 CLIP_IMAGE_TOKENS = 257  # Wan2.1 I2V's image tokens: CLIP ViT-H/14 at 224 px, 256 patches + the class token
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -25,6 +26,7 @@ class Workload:
     text_len: int
     pixels: tuple[int, int, int] | None = None  # (height, width, frames) asked for; None with --tokens
     condition_tokens: int = 0  # an edit's condition image tokens, in the same sequence (ModelSpec.condition)
+    audio_tokens: int = 0  # LTX-2: the audio stream's tokens (its own sequence, beside the video's)
 
     @property
     def tokens(self) -> int:
@@ -49,6 +51,8 @@ class Workload:
         grid = f"{t} x {h} x {w}" if f.video else f"{h} x {w}"
         if self.condition_tokens:
             grid += f" + {self.condition_tokens:,} condition tokens"
+        if self.audio_tokens:
+            grid += f" + {self.audio_tokens:,} audio tokens"
         return f"{source}{self.tokens:,} tokens ({grid}; {how}) + {self.text_len} text tokens, batch {self.batch}"
 
 
@@ -88,7 +92,9 @@ def workload_from_pixels(
             f"--frames {frames}: {latent_t} latent frames do not divide the temporal patch {f.patch_t}"
         )
     grid = (latent_t // f.patch_t, height // m, width // m)
-    return Workload(batch, grid, _text_len(spec, text_len), (height, width, frames), _condition(spec, grid))
+    return Workload(
+        batch, grid, _text_len(spec, text_len), (height, width, frames), _condition(spec, grid), audio_tokens(spec, latent_t)
+    )
 
 
 def _condition(spec: ModelSpec, grid: tuple[int, int, int]) -> int:
@@ -106,7 +112,28 @@ def workload_from_tokens(
     per_frame = max(1, round(tokens / frames))
     h = max(1, math.isqrt(per_frame * 9 // 16) if spec.family.video else math.isqrt(per_frame))
     w = max(1, round(per_frame / h))
-    return Workload(batch, (frames, h, w), _text_len(spec, text_len), condition_tokens=_condition(spec, (frames, h, w)))
+    return Workload(
+        batch,
+        (frames, h, w),
+        _text_len(spec, text_len),
+        condition_tokens=_condition(spec, (frames, h, w)),
+        audio_tokens=audio_tokens(spec, frames * spec.family.patch_t),
+    )
+
+
+def audio_tokens(spec: ModelSpec, latent_frames: int) -> int:
+    """LTX-2's audio tokens for ``latent_frames`` latent video frames, as ``LTX2Pipeline.__call__`` makes them: its
+    ``(latent_frames - 1) x temporal compression + 1`` frames last ``frames / 24`` s (``frame_rate`` 24), and the
+    audio VAE has ``audio_sampling_rate / audio_hop_length / audio_scale_factor`` latents a second (the transformer
+    config's copy of them: 16000 / 160 / 4 = 25 released), ``round(seconds x rate)`` of them, one token each (audio
+    patch 1). 0 for a family without audio."""
+    from ..flowgrpo.models.ltx2 import audio_latents
+
+    if spec.kind != "ltx2":
+        return 0
+    c = spec.config
+    per_second = c.get("audio_sampling_rate", 16000) / c.get("audio_hop_length", 160) / c.get("audio_scale_factor", 4)
+    return max(1, audio_latents(latent_frames, spec.family.vae_temporal, per_second))
 
 
 def _text_len(spec: ModelSpec, text_len: int | None) -> int:
@@ -129,6 +156,8 @@ def build_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> dic
         options["first_frame_timestep"] = True
     elif spec.condition == "i2v" and model.config.get("image_dim"):
         options["clip_tokens"] = CLIP_IMAGE_TOKENS
+    if work.audio_tokens:
+        options["audio_len"] = work.audio_tokens
     inputs = tiny_inputs(
         f.kind,
         model,

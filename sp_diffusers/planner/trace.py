@@ -164,8 +164,8 @@ def plan_loss(engine: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict]:
         # process group: keep the error to raise it in its own words
         batch["error"] = err
         raise
-    if isinstance(out, (list, tuple)):  # Z-Image: one output per sample
-        out = torch.stack(list(out))
+    if isinstance(out, (list, tuple)):  # Z-Image: one output per sample; LTX-2: (video, audio)
+        return sum(o.float().square().mean() for o in out) / len(out), {}
     return out.float().square().mean(), {}
 
 

@@ -22,7 +22,12 @@ from .text_parts import (
     tiny_autoencoder_kl,
     tiny_clip_text,
     tiny_flux2_vae,
+    tiny_gemma3,
     tiny_hunyuanvideo15_vae,
+    tiny_ltx2_audio_vae,
+    tiny_ltx2_connectors,
+    tiny_ltx2_vae,
+    tiny_ltx2_vocoder,
     tiny_qwen3,
     tiny_qwen25vl,
     tiny_qwen25vl_text,
@@ -33,11 +38,13 @@ from .text_parts import (
 )
 
 __all__ = [
+    "LTX2_MAX_SEQUENCE_LENGTH",
     "PIPELINE_WRITERS",
     "WAN_SCHEDULER_CONFIG",
     "save_tiny_flux2_klein_pipeline",
     "save_tiny_flux_pipeline",
     "save_tiny_hunyuanvideo15_pipeline",
+    "save_tiny_ltx2_pipeline",
     "save_tiny_pipeline",
     "save_tiny_qwenimage_pipeline",
     "save_tiny_sd3_pipeline",
@@ -233,6 +240,66 @@ def save_tiny_hunyuanvideo15_pipeline(
     return save_pipeline(pipe, folder)
 
 
+# The tiny LTX-2 tokenizer's model_max_length (the pipeline's ``tokenizer_max_length``): pass it as
+# ``max_sequence_length`` (LTX2Pipeline's default, 1024, also works: both are multiples of the connectors' 8 registers).
+LTX2_MAX_SEQUENCE_LENGTH = 64
+_LTX2_REGISTERS = 8
+_LTX2_AUDIO_LATENT_CHANNELS = 2
+
+
+def save_tiny_ltx2_pipeline(folder: str | os.PathLike, seed: int = 0, **transformer_overrides: Any) -> Path:
+    """A tiny ``LTX2Pipeline`` (LTX-2.0 text-to-audio+video): the tiny ``LTX2VideoTransformer3DModel``, a 2-layer
+    ``Gemma3ForConditionalGeneration`` ``caption_channels`` wide with a character tokenizer (left padding to
+    ``max_sequence_length``; model_max_length :data:`LTX2_MAX_SEQUENCE_LENGTH`), ``LTX2TextConnectors`` with 8
+    learnable registers (``max_sequence_length`` must be a multiple of 8), an ``AutoencoderKLLTX2Video``, an
+    ``AutoencoderKLLTX2Audio``, an ``LTX2Vocoder`` and LTX-2's scheduler config; no processor, prompt enhancer or
+    duration head (LTX-2.0 has none: ``num_frames`` must then be given, else 121).
+
+    Sizes (``transformer.config.patch_size`` = ``patch_size_t`` = 1, as released):
+
+    * video: the VAE compresses 2x in space and in time, causally (released: 32x, 8x). ``num_frames`` = 1 + 2 k
+      pixel frames (any ``num_frames`` works: ``(num_frames - 1) // 2 + 1`` latent frames, decoded back to
+      ``2 (that - 1) + 1``); ``height`` and ``width`` multiples of 2. Latents ``[B, in_channels (8), (num_frames - 1)
+      // 2 + 1, height // 2, width // 2]``; video tokens = latent frames x latent height x latent width (16 x 16
+      pixels, 5 frames: 3 x 8 x 8 = 192 tokens of 8 channels).
+    * audio: 16 kHz, hop 160 = 100 mel frames a second, the audio VAE compresses 4x in time and in mel bins, so
+      ``audio_vae.config.sample_rate / audio_vae.config.mel_hop_length / audio_vae.temporal_compression_ratio`` = 25
+      audio latents a second, as released; the pipeline makes ``round(num_frames / frame_rate * 25)`` of them (one
+      audio token each). Audio latents ``[B, 2 (latent_channels), L, 4 (mel_bins 16 / 4)]``, packed to ``[B, L, 2 x
+      4 = 8 = audio_in_channels]`` (channel-major: ``latents.transpose(1, 2).flatten(2, 3)``); the audio VAE's
+      ``latents_mean`` / ``latents_std`` (8 entries) normalise the packed tokens.
+    * waveform: the audio VAE decodes ``L`` latents to ``4 L - 3`` stereo mel frames of 16 bins, the vocoder makes 16
+      samples a frame: ``audio`` is ``[B, 2, 16 (4 L - 3)]`` at ``vocoder.config.output_sampling_rate`` = 1600 Hz.
+
+    The trainer concatenates video and audio tokens: ``in_channels`` must equal ``audio_in_channels``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+
+    transformer = tiny_model("ltx2", seed=seed, **transformer_overrides)
+    cfg = transformer.config
+    patch = cfg.patch_size * cfg.patch_size * cfg.patch_size_t
+    if cfg.in_channels % patch or cfg.audio_in_channels % _LTX2_AUDIO_LATENT_CHANNELS:
+        raise ValueError(
+            f"save_tiny_ltx2_pipeline: in_channels={cfg.in_channels} must be a multiple of patch_size^2 x patch_size_t"
+            f" = {patch} and audio_in_channels={cfg.audio_in_channels} of the audio VAE's "
+            f"{_LTX2_AUDIO_LATENT_CHANNELS} latent channels; fix: set them to such multiples"
+        )
+    text_layers = 2
+    audio_vae = tiny_ltx2_audio_vae(
+        seed + 3, _LTX2_AUDIO_LATENT_CHANNELS, 4 * cfg.audio_in_channels // _LTX2_AUDIO_LATENT_CHANNELS
+    )
+    pipe = LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("ltx2")),
+        vae=tiny_ltx2_vae(seed + 2, cfg.in_channels // patch),
+        audio_vae=audio_vae,
+        text_encoder=tiny_gemma3(seed + 1, cfg.caption_channels, layers=text_layers),
+        tokenizer=char_tokenizer(LTX2_MAX_SEQUENCE_LENGTH),
+        connectors=tiny_ltx2_connectors(seed + 5, cfg.caption_channels, text_layers, _LTX2_REGISTERS),
+        transformer=transformer,
+        vocoder=tiny_ltx2_vocoder(seed + 4, audio_vae),
+    )
+    return save_pipeline(pipe, folder)
+
+
 # family -> writer: the families the trainer reads from a pipeline folder (wan2.2: save_tiny_wan_pipeline(experts=2))
 PIPELINE_WRITERS = {
     "qwenimage": save_tiny_qwenimage_pipeline,
@@ -242,6 +309,7 @@ PIPELINE_WRITERS = {
     "zimage": save_tiny_zimage_pipeline,
     "flux2-klein": save_tiny_flux2_klein_pipeline,
     "hunyuanvideo15": save_tiny_hunyuanvideo15_pipeline,
+    "ltx2": save_tiny_ltx2_pipeline,
 }
 
 

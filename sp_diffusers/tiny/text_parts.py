@@ -25,7 +25,12 @@ __all__ = [
     "tiny_autoencoder_kl",
     "tiny_clip_text",
     "tiny_flux2_vae",
+    "tiny_gemma3",
     "tiny_hunyuanvideo15_vae",
+    "tiny_ltx2_audio_vae",
+    "tiny_ltx2_connectors",
+    "tiny_ltx2_vae",
+    "tiny_ltx2_vocoder",
     "tiny_qwen3",
     "tiny_qwen25vl",
     "tiny_qwen25vl_text",
@@ -265,6 +270,136 @@ def tiny_hunyuanvideo15_vae(seed: int, latent_channels: int) -> Any:
             layers_per_block=1,
             spatial_compression_ratio=2,
             temporal_compression_ratio=2,
+        ),
+    )
+
+
+def tiny_gemma3(seed: int, hidden: int = 32, layers: int = 2, max_positions: int = 1024) -> Any:
+    """``Gemma3ForConditionalGeneration`` (LTX-2's text encoder class) over :data:`WORDS` (:func:`char_tokenizer`),
+    ``hidden`` wide, ``layers`` sliding-window layers and a one-block SigLIP tower (8 x 8 images, 4 tokens each) that
+    text-only prompts never reach. LTX-2 stacks all ``layers + 1`` hidden states (embeddings included)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokens = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    text = dict(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers)
+    text.update(num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, sliding_window=64, **tokens)
+    text["max_position_embeddings"] = max_positions
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8)
+    vision["patch_size"] = 4
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, **tokens)
+    return _seeded(seed, lambda: Gemma3ForConditionalGeneration(config)).eval()
+
+
+def tiny_ltx2_connectors(seed: int, caption_channels: int, text_layers: int, registers: int = 8) -> Any:
+    """``LTX2TextConnectors`` (LTX-2.0's: one shared projection of the ``text_layers + 1`` stacked Gemma states to
+    ``caption_channels``, then a video and an audio 1-layer connector ``caption_channels`` wide (4 heads) with
+    ``registers`` learnable registers: the pipeline's ``max_sequence_length`` must be a multiple of ``registers``)."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    heads = 4
+    return _seeded(
+        seed,
+        lambda: LTX2TextConnectors(
+            caption_channels=caption_channels,
+            text_proj_in_factor=text_layers + 1,
+            video_connector_num_attention_heads=heads,
+            video_connector_attention_head_dim=caption_channels // heads,
+            video_connector_num_layers=1,
+            video_connector_num_learnable_registers=registers,
+            audio_connector_num_attention_heads=heads,
+            audio_connector_attention_head_dim=caption_channels // heads,
+            audio_connector_num_layers=1,
+            audio_connector_num_learnable_registers=registers,
+            connector_rope_base_seq_len=64,
+            rope_type="interleaved",
+        ),
+    )
+
+
+def tiny_ltx2_vae(seed: int, latent_channels: int) -> Any:
+    """``AutoencoderKLLTX2Video`` compressing 2x in space and in time, causally (frames ``1 + 2 k`` -> ``1 + k``,
+    16 x 16 pixels -> 8 x 8), ``latent_channels`` deep, per-channel latent statistics away from 0 / 1 (the pipeline
+    normalises with them), no timestep conditioning (as LTX-2.0's VAE)."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    def build() -> Any:
+        vae = AutoencoderKLLTX2Video(
+            latent_channels=latent_channels,
+            block_out_channels=(8,),
+            decoder_block_out_channels=(8,),
+            layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1),
+            spatio_temporal_scaling=(True,),
+            decoder_spatio_temporal_scaling=(True,),
+            decoder_inject_noise=(False, False),
+            downsample_type=("spatiotemporal",),
+            upsample_type=("spatiotemporal",),
+            upsample_residual=(True,),
+            upsample_factor=(2,),
+            timestep_conditioning=False,
+            patch_size=1,
+            patch_size_t=1,
+        )
+        stats = _latent_stats(latent_channels)
+        with torch.no_grad():
+            vae.latents_mean.copy_(torch.tensor(stats["latents_mean"]))
+            vae.latents_std.copy_(torch.tensor(stats["latents_std"]))
+        return vae
+
+    return _seeded(seed, build)
+
+
+def tiny_ltx2_audio_vae(seed: int, latent_channels: int = 2, mel_bins: int = 16) -> Any:
+    """``AutoencoderKLLTX2Audio`` over stereo ``mel_bins``-bin mel spectrograms at LTX-2's 16 kHz / hop 160 (100 mel
+    frames a second), compressing 4x in time (causal: ``T`` mel frames -> ``(T - 1) // 4 + 1`` latents; decoding
+    ``L`` latents gives ``4 L - 3`` frames) and 4x in mel bins (three levels, as released), ``latent_channels`` deep.
+    Its latent statistics have one entry per packed audio feature (``base_channels`` = ``latent_channels *
+    mel_bins / 4``: the transformer's ``audio_in_channels``), set away from 0 / 1."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    features = latent_channels * mel_bins // 4
+
+    def build() -> Any:
+        vae = AutoencoderKLLTX2Audio(
+            base_channels=features,
+            output_channels=2,
+            ch_mult=(1, 1, 1),
+            num_res_blocks=1,
+            in_channels=2,
+            resolution=mel_bins,
+            latent_channels=latent_channels,
+            sample_rate=16000,
+            mel_hop_length=160,
+            mel_bins=mel_bins,
+        )
+        stats = _latent_stats(features)
+        with torch.no_grad():
+            vae.latents_mean.copy_(torch.tensor(stats["latents_mean"]))
+            vae.latents_std.copy_(torch.tensor(stats["latents_std"]))
+        return vae
+
+    return _seeded(seed, build)
+
+
+def tiny_ltx2_vocoder(seed: int, audio_vae: Any) -> Any:
+    """``LTX2Vocoder`` (LTX-2.0's) turning ``audio_vae``'s stereo mel frames into a stereo waveform: 16 samples a mel
+    frame (released: 240 at 24 kHz), so ``output_sampling_rate`` = 100 mel frames a second x 16 = 1600 Hz."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    cfg = audio_vae.config
+    factors = [4, 4]
+    rate = cfg.sample_rate // cfg.mel_hop_length * factors[0] * factors[1]
+    return _seeded(
+        seed,
+        lambda: LTX2Vocoder(
+            in_channels=cfg.output_channels * cfg.mel_bins,
+            hidden_channels=16,
+            out_channels=cfg.output_channels,
+            upsample_kernel_sizes=[8, 8],
+            upsample_factors=factors,
+            resnet_kernel_sizes=[3],
+            resnet_dilations=[[1, 3]],
+            output_sampling_rate=rate,
         ),
     )
 

@@ -69,6 +69,12 @@ def _config(
         # and linspace sigmas; 6 heads: Ulysses 2 and 3 divide them; 2 latent frames of 8 x 8
         c.model.kind, c.model.pretrained, c.model.frames = "hunyuanvideo15", f"{pipeline}/transformer", 2
         c.text.pipeline = pipeline
+    if kind == "ltx2_pipeline":
+        # a real LTX2Pipeline folder: video and audio tokens in one latent tensor (2 x 8 x 8 = 128 video + 5 audio),
+        # both text streams through its Gemma3 and connectors (64 rows, the registers fill the padding), its scheduler
+        # config and shift over the video tokens; 6 heads per stream: Ulysses 2 and 3 divide them
+        c.model.kind, c.model.pretrained, c.model.frames, c.model.audio_frames = "ltx2", f"{pipeline}/transformer", 2, 5
+        c.text.pipeline, c.text.max_sequence_length = pipeline, 64
     c.parallel.ulysses_sequence_parallel_size = sp
     c.parallel.ring_degree = ring
     c.parallel.dp_replicate = replicate

@@ -76,11 +76,16 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
         model = _fresh_model(config, name)
         if inputs is None:
             c = model.config
-            adapter = build_adapter(model, config.model.image_size, True, config.model.frames, config.text.max_sequence_length)
+            m = config.model
+            adapter = build_adapter(
+                model, m.image_size, True, m.frames, config.text.max_sequence_length,
+                audio_frames=m.audio_frames, frame_rate=m.frame_rate, pipeline=m.pipeline,
+            )
             width = (
                 getattr(c, "joint_attention_dim", None)
                 or getattr(c, "text_dim", None)
                 or getattr(c, "text_embed_dim", None)  # HunyuanVideo-1.5's MLLM stream
+                or getattr(c, "caption_channels", None)  # LTX-2's video stream
                 or c.cap_feat_dim
             )
             embeds = torch.randn(2, config.text.max_sequence_length, width, generator=g)
@@ -88,6 +93,9 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
             adapter, condition = _conditioned(config, model, adapter, g)
             if hasattr(c, "text_embed_2_dim"):  # HunyuanVideo-1.5's glyph stream, all valid: its embedder trains too
                 condition = {**condition, "text_2": (torch.randn(2, 8, c.text_embed_2_dim, generator=g), torch.ones(2, 8))}
+            if hasattr(c, "audio_in_channels"):  # LTX-2's audio text stream (the connectors' second output)
+                audio_text = torch.randn(2, embeds.shape[1], width, generator=g)
+                condition = {**condition, "text_2": (audio_text, torch.ones(2, embeds.shape[1]))}
             latents = torch.randn(adapter.latent_shape(2), generator=g)
             mask = torch.ones(2, embeds.shape[1], dtype=torch.bool)
             inputs = adapter.inputs(latents, torch.tensor(600.0), embeds, mask, pooled, **condition)
@@ -98,7 +106,8 @@ def reference(run_dir: str, out_file: str, seed: int = 0) -> dict[str, Any]:
         root = Path(run_dir) / "checkpoints"
         engine.load_checkpoint(root / name if len(names) > 1 else root)
         with torch.no_grad():
-            outputs[name] = _stacked(engine.forward(**inputs)).detach()
+            # the first output, as plain diffusers' check reads it (LTX-2: the video, which attends to the audio)
+            outputs[name] = _stacked(engine.model(**inputs, return_dict=False)[0]).detach()
     case = {
         "inputs": inputs,
         "outputs": outputs,

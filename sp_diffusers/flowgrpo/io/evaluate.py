@@ -28,7 +28,7 @@ from ..models.conditioning import PromptEncoder
 from ..rewards.scoring import Scorer
 from ..sampling.denoise import Sampler, denoise
 from .data import PromptRow
-from .media import save_pixels
+from .media import save_pixels, save_video
 
 __all__ = ["Evaluator", "latent_preview"]
 
@@ -64,12 +64,14 @@ class Evaluator:
         weights: Callable[[], Any],
         decoder: Callable[[torch.Tensor], torch.Tensor] | None,
         rank: int,
+        audio_decoder: Any = None,
         out_dir: Path,
         eval_rows: list[PromptRow],
         sample_rows: list[PromptRow],
     ) -> None:
         self.config, self.engine, self.adapter, self.schedule = config, engine, adapter, schedule
         self.prompts, self.scorer, self.weights, self.decoder = prompts, scorer, weights, decoder
+        self.audio_decoder = audio_decoder  # LTX-2's soundtracks (models/ltx2.AudioDecoder): WAVs beside the grid
         self.rank, self.out_dir = rank, Path(out_dir)
         self.eval_rows, self.sample_rows = list(eval_rows), list(sample_rows)
 
@@ -134,5 +136,10 @@ class Evaluator:
             final, _ = self.render(self.sample_rows[:count], list(range(count)))
         if self.rank != 0:
             return None
+        stem = self.out_dir / "samples" / f"iteration-{iteration:08d}"
+        if self.decoder is not None and self.audio_decoder is not None:
+            waves, rate = self.audio_decoder(final).cpu(), self.audio_decoder.sample_rate
+            fps = self.config.model.frame_rate
+            return save_video(self.decoder(final).cpu(), stem.with_suffix(".mp4"), fps, waves, rate)
         pixels = self.decoder(final) if self.decoder is not None else latent_preview(self.adapter, final)
-        return save_pixels(pixels.cpu(), self.out_dir / "samples" / f"iteration-{iteration:08d}")
+        return save_pixels(pixels.cpu(), stem)

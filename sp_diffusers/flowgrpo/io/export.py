@@ -51,6 +51,7 @@ PIPELINE_CLASSES = {
     "zimage": "ZImagePipeline",
     "flux2": "Flux2KleinPipeline",  # its LoRA file (Flux2LoraLoaderMixin, which Flux2Pipeline shares)
     "hunyuanvideo15": "HunyuanVideo15Pipeline",
+    "ltx2": "LTX2Pipeline",
 }
 # kinds whose pipeline has no LoRA loader in diffusers (0.42: HunyuanVideo15Pipeline): the LoRA file is written in the
 # same format (``transformer.``-prefixed keys, the adapter's metadata) by this mixin; load it with

@@ -185,7 +185,7 @@ def render(
         raise ConfigError(f"--ulysses {ulysses}: a degree >= 1")
     if compile not in COMPILE_MODES:
         raise ConfigError(f"--compile {compile}: one of {', '.join(COMPILE_MODES)}")
-    video = name.startswith(("Wan", "HunyuanVideo"))
+    video = name.startswith(("Wan", "HunyuanVideo", "LTX2"))
     if video != (out.suffix.lower() in _VIDEO_SUFFIXES):
         kind = "a video pipeline: write .mp4 or .gif" if video else "an image pipeline: write .png"
         raise ConfigError(f"--out {out}: {name} is {kind}")
@@ -232,11 +232,17 @@ def render(
             kwargs[key] = value
     if video and frames is not None:
         kwargs["num_frames"] = frames
+    if name == "LTX2Pipeline":
+        # the trainer's sampler: plain CFG at one scale for video and audio, no STG, modality guidance or rescale
+        scale = kwargs.get("guidance_scale", _call_default(cls, "guidance_scale"))
+        kwargs.update(audio_guidance_scale=scale, stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0)
+        kwargs.update(audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0)
     # one prompt a call: the conditioned pipelines take one image batch per call; diffusers' (0.42)
     # AutoencoderKLHunyuanVideo15 decodes one video at a time (its mid-block attention mask breaks for a batch)
     if sources is None and name != "HunyuanVideo15Pipeline":
         result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
         pixels = (result.frames if video else result.images).float().cpu()
+        audio = result.audio if name == "LTX2Pipeline" else None  # LTX-2: the soundtrack [B, channels, samples]
     else:
         if name == "FluxKontextPipeline" and height and width:
             kwargs["max_area"] = height * width  # Kontext scales the output to max_area (1 MP) otherwise
@@ -247,7 +253,16 @@ def render(
                 kwargs["image"] = sources if len(sources) > 1 else sources[0]
             result = pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(seed))
             parts.append((result.frames if video else result.images).float().cpu())
-        pixels = torch.cat(parts)
+        pixels, audio = torch.cat(parts), None
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
+    if audio is not None:  # muxed into a single video's MP4, and a WAV beside it (media.save_video)
+        rate = int(pipe.vocoder.config.output_sampling_rate)
+        fps = float(_call_default(cls, "frame_rate"))
+        return save_video(pixels, out, fps=fps, audio=audio.float().cpu(), sample_rate=rate)
     return save_video(pixels, out) if video else save_image(pixels, out)
+
+
+def _call_default(cls: Any, name: str) -> Any:
+    """``cls.__call__``'s default for ``name``."""
+    return inspect.signature(cls.__call__).parameters[name].default

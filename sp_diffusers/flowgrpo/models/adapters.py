@@ -1,5 +1,5 @@
 """How FlowGRPO calls each transformer family: latents + model timestep + text -> forward kwargs (FLUX.1:
-``flux.py``; FLUX.2: ``flux2.py``; Z-Image: ``zimage.py``; HunyuanVideo-1.5: ``hunyuan15.py``).
+``flux.py``; FLUX.2: ``flux2.py``; Z-Image: ``zimage.py``; HunyuanVideo-1.5: ``hunyuan15.py``; LTX-2: ``ltx2.py``).
 
 Latents keep the family's own layout (Qwen-Image, FLUX.1, FLUX.2: packed tokens ``[B, L, C]``; SD3, Z-Image:
 ``[B, C, H, W]``; Wan: video ``[B, C, F, H, W]``); the adapter knows the forward signature, the extra arguments
@@ -19,12 +19,14 @@ from .decode import ImageLatents, PackedTokens, VideoLatents, pack_2x2, unpack_2
 from .flux import FluxAdapter, flux_adapter
 from .flux2 import Flux2Adapter, flux2_adapter
 from .hunyuan15 import HunyuanVideo15Adapter, hunyuanvideo15_adapter
+from .ltx2 import LTX2Adapter, ltx2_adapter, ltx2_audio_frames
 from .zimage import ZImageAdapter, zimage_adapter
 
 __all__ = [
     "Flux2Adapter",
     "FluxAdapter",
     "HunyuanVideo15Adapter",
+    "LTX2Adapter",
     "QwenImageAdapter",
     "SD3Adapter",
     "WanAdapter",
@@ -132,14 +134,25 @@ def build_adapter(
     text_len: int = 512,
     guidance_scale: float = 3.5,
     image_width: int = 0,
+    audio_frames: int = 0,
+    frame_rate: float = 24.0,
+    pipeline: str = "",
 ) -> (
-    QwenImageAdapter | SD3Adapter | WanAdapter | FluxAdapter | Flux2Adapter | ZImageAdapter | HunyuanVideo15Adapter
+    QwenImageAdapter
+    | SD3Adapter
+    | WanAdapter
+    | FluxAdapter
+    | Flux2Adapter
+    | ZImageAdapter
+    | HunyuanVideo15Adapter
+    | LTX2Adapter
 ):
     """The adapter for ``model`` at latent height ``image_size`` and width ``image_width`` (0: ``image_size``; before
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
     projection input itself; ``text_len``: the text length a Wan, FLUX.1 or FLUX.2 pipeline pads prompts to
     (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's and FLUX.2 [dev]'s embedded guidance
-    (``flowgrpo.guidance_scale``)."""
+    (``flowgrpo.guidance_scale``); LTX-2: ``audio_frames`` latent audio frames (0: as ``pipeline``'s ``__call__`` gives
+    ``frames`` at ``frame_rate``), ``frame_rate`` the video's (its positions are conditioned on it)."""
     from ...families.kinds import class_name
     from ...patching.compat import diffusers_version
 
@@ -194,9 +207,18 @@ def build_adapter(
         return zimage_adapter(model, h, w)
     if name == "HunyuanVideo15Transformer3DModel":
         return hunyuanvideo15_adapter(model, frames, h, w)
+    if name == "LTX2VideoTransformer3DModel":
+        if audio_frames == 0:
+            if not pipeline:
+                raise ValueError(
+                    "model.audio_frames=0 asks for the LTX2Pipeline's own audio length, but there is no model.pipeline "
+                    "to read it from; fix: model.audio_frames=<latent audio frames> (25 a second at 16 kHz)"
+                )
+            audio_frames = ltx2_audio_frames(pipeline, frames, frame_rate)
+        return ltx2_adapter(model, frames, h, w, audio_frames, frame_rate)
     raise ValueError(
         f"FlowGRPO has no adapter for {name} yet; supported: QwenImageTransformer2DModel, FluxTransformer2DModel, "
         "Flux2Transformer2DModel, SD3Transformer2DModel, WanTransformer3DModel, ZImageTransformer2DModel, "
-        "HunyuanVideo15Transformer3DModel (add one in "
+        "HunyuanVideo15Transformer3DModel, LTX2VideoTransformer3DModel (add one in "
         "sp_diffusers/flowgrpo/models/adapters.py)"
     )

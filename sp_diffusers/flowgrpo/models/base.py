@@ -30,6 +30,10 @@ class FamilyAdapter:
         overrides it (batch-norm statistics over the packed channels)."""
         return denormalize(vae, self.vae_latents(latents))
 
+    def decode_kwargs(self, vae: Any, batch: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        """What ``vae.decode`` takes beside the latents (none here; LTX-2's timestep-conditioned VAE: ``temb``)."""
+        return {}
+
     def from_vae(self, vae: Any, z: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`to_vae`: a VAE posterior's latents -> the trainer's (normalised, in its layout)."""
         return self.from_vae_latents(normalize(vae, z))

@@ -155,7 +155,8 @@ class PixelDecoder:
         for part in latents.split(self.chunk):
             # the family's layout and normalisation undone (adapter.to_vae), in the VAE's dtype
             z = self.adapter.to_vae(self.vae, part.to(self.device, self.dtype))
-            x = self.vae.decode(z, return_dict=False)[0]
+            extra = self.adapter.decode_kwargs(self.vae, z.shape[0], self.device, self.dtype)
+            x = self.vae.decode(z, return_dict=False, **extra)[0]
             out.append(self.adapter.pixel_layout((x.float() / 2 + 0.5).clamp(0, 1)))
         return torch.cat(out)
 

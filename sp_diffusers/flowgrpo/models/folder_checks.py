@@ -43,6 +43,7 @@ PIPELINE_FAMILIES = {
     "ZImagePipeline": "zimage",
     "Flux2KleinPipeline": "flux2",
     "HunyuanVideo15Pipeline": "hunyuanvideo15",
+    "LTX2Pipeline": "ltx2",
     "QwenImageEditPipeline": "qwenimage",
     "QwenImageEditPlusPipeline": "qwenimage",
     "FluxKontextPipeline": "flux",
@@ -199,6 +200,10 @@ def _needs(config: TrainConfig, index: dict[str, Any]) -> dict[str, str]:
     pixels = _pixel_rewards(c)
     if pixels:
         needs["vae"] = f"decodes pixels for the reward(s) {', '.join(pixels)}"
+        if index.get("_class_name") == "LTX2Pipeline":  # the soundtrack the pixel rewards read beside the frames
+            needs["audio_vae"] = needs["vocoder"] = f"decodes the audio for the reward(s) {', '.join(pixels)}"
+    if index.get("_class_name") == "LTX2Pipeline" and not c.text.pipeline:
+        needs["connectors"] = "encodes the prompts (the text streams of video and audio)"
     if condition_of(index):
         needs["vae"] = "encodes the condition images"
         for name in ("processor", "image_encoder", "image_processor"):  # Qwen-Image-Edit; Wan2.1 I2V's CLIP

@@ -25,6 +25,8 @@ __all__ = [
     "condition_kind",
     "expert_names",
     "from_pretrained",
+    "load_audio_decoders",
+    "load_component",
     "load_transformers",
     "load_vae",
     "meta_transformers",
@@ -119,15 +121,31 @@ def load_transformers(config: TrainConfig, names: tuple[str, ...] | None = None)
 
 def load_vae(config: TrainConfig) -> torch.nn.Module | None:
     """The pipeline's VAE in the compute dtype (None without ``model.pipeline`` or without a VAE in it)."""
+    return load_component(config, "vae")
+
+
+def load_audio_decoders(config: TrainConfig) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """LTX-2's ``(audio_vae, vocoder)`` in the compute dtype (None where the pipeline has no audio)."""
+    parts = load_component(config, "audio_vae"), load_component(config, "vocoder")
+    return None if parts[0] is None or parts[1] is None else parts
+
+
+def load_component(config: TrainConfig, name: str) -> torch.nn.Module | None:
+    """``model.pipeline``'s component ``name`` in the compute dtype (None without the folder or the component). Its
+    class is a diffusers model, or one a pipeline module defines (LTX-2's ``LTX2Vocoder``: ``pipelines.ltx2``)."""
     if not config.model.pipeline:
         return None
     index = read_index(config.model.pipeline)
-    if not present(index, "vae"):
+    if not present(index, name):
         return None
+    import importlib
+
     import diffusers
 
-    library, cls_name = index["vae"]
+    library, cls_name = index[name]
     cls = getattr(diffusers, cls_name, None)
+    if cls is None and library not in ("diffusers", "transformers"):
+        cls = getattr(importlib.import_module(f"diffusers.pipelines.{library}"), cls_name, None)
     if cls is None:
-        raise ConfigError(f"model.pipeline: its vae is a {library}.{cls_name}, which this diffusers does not have")
-    return from_pretrained(cls, config.model.pipeline, subfolder="vae", torch_dtype=compute_dtype(config))
+        raise ConfigError(f"model.pipeline: its {name} is a {library}.{cls_name}, which this diffusers does not have")
+    return from_pretrained(cls, config.model.pipeline, subfolder=name, torch_dtype=compute_dtype(config))

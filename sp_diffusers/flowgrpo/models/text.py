@@ -172,7 +172,10 @@ class PipelineTextEncoder:
     ``HunyuanVideo15Pipeline``: two streams, each prompt's valid rows with a mask (its transformer masks the rest):
     Qwen2.5-VL's third-to-last hidden states of the system-templated prompt (``prompt_embeds``, up to the pipeline's
     1000 tokens) and the byT5 states of the prompt's quoted text (``prompt_embeds_2``, up to 256; a prompt without
-    quoted text: one masked zero row, as the pipeline's all-masked zeros). Frozen, no gradients.
+    quoted text: one masked zero row, as the pipeline's all-masked zeros). ``LTX2Pipeline``: Gemma's stacked hidden
+    states (left-padded to ``max_sequence_length``) through the pipeline's ``connectors``: a video stream
+    (``prompt_embeds``) and an audio stream (``prompt_embeds_2``) over one mask, every row as the pipeline hands them
+    (with learnable registers the connectors fill the padding: the mask is all True). Frozen, no gradients.
 
     The editing and image-to-video pipelines (``CONDITIONED``) keep their VAE (and Wan2.1 I2V its CLIP image encoder):
     the family's adapter prepares the condition with them (``conditioning.py``); Qwen-Image-Edit's prompts are read
@@ -194,6 +197,7 @@ class PipelineTextEncoder:
         "ZImagePipeline",
         "Flux2KleinPipeline",
         "HunyuanVideo15Pipeline",
+        "LTX2Pipeline",
         *CONDITIONED,
     )
 
@@ -235,6 +239,8 @@ class PipelineTextEncoder:
             # reads its config (dropped once loaded)
             if name not in self.CONDITIONED and name != "HunyuanVideo15Pipeline":
                 kwargs["vae"] = None
+            if name == "LTX2Pipeline":  # its audio decoders are not read here either
+                kwargs.update(audio_vae=None, vocoder=None)
             if name.startswith("QwenImageEdit"):
                 from ...families.processors import load_qwen_vl_processor
 
@@ -244,7 +250,7 @@ class PipelineTextEncoder:
         if name == "HunyuanVideo15Pipeline":
             self.pipe.vae = None  # encode_prompt does not read it
         self.device = torch.device(device)
-        for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae"):
+        for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae", "connectors"):
             module = getattr(self.pipe, component, None)
             if module is not None:
                 module.to(self.device).requires_grad_(False).eval()
@@ -253,7 +259,7 @@ class PipelineTextEncoder:
     def offload(self) -> None:
         """The text encoders to the CPU (``text.offload: after_cache``: every prompt of the run is encoded)."""
         self.device = torch.device("cpu")
-        for component in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        for component in ("text_encoder", "text_encoder_2", "text_encoder_3", "connectors"):
             module = getattr(self.pipe, component, None)
             if module is not None:
                 module.to(self.device)
@@ -267,6 +273,11 @@ class PipelineTextEncoder:
         if self.text_family == "Flux2KleinPipeline":  # the stacked layers' widths side by side
             config = self.pipe.text_encoder.config
             return len(self._flux2_layers()) * int(getattr(config, "text_config", config).hidden_size)
+        if self.text_family == "LTX2Pipeline":  # the connectors' video stream
+            c = self.pipe.connectors.config
+            if c.per_modality_projections:
+                return int(c.video_hidden_dim)
+            return int(c.video_connector_num_attention_heads * c.video_connector_attention_head_dim)
         encoder = {"WanPipeline": "text_encoder", "FluxPipeline": "text_encoder_2"}.get(self.text_family, "text_encoder_3")
         return int(getattr(self.pipe, encoder).config.d_model)
 
@@ -314,6 +325,8 @@ class PipelineTextEncoder:
             return self._dense(prefix, self._flux2(prompts))
         if self.text_family == "HunyuanVideo15Pipeline":
             return self._hunyuan15(prompts, prefix)
+        if self.text_family == "LTX2Pipeline":
+            return self._ltx2(prompts, prefix)
         if self.text_family == "FluxPipeline":
             # CLIP pooled + T5 padded to max_sequence_length: the transformer attends to every T5 row
             embeds, pooled, _ = self.pipe.encode_prompt(
@@ -383,6 +396,34 @@ class PipelineTextEncoder:
             out[f"{prefix}prompt_embeds{suffix}"] = rows
             out[f"{prefix}prompt_embeds_mask{suffix}"] = masks
         return out
+
+    def _ltx2(self, prompts: list[str], prefix: str) -> dict[str, Any]:
+        """LTX-2's ``encode_prompt`` then its ``connectors``, as ``__call__`` runs them: the video stream
+        ``{prefix}prompt_embeds`` and the audio stream ``{prefix}prompt_embeds_2``, both ``max_sequence_length`` rows
+        with the connectors' mask. A prompt past ``max_sequence_length`` tokens was cut there: said once."""
+        pipe = self.pipe
+        embeds, mask, _, _ = pipe.encode_prompt(
+            prompt=list(prompts),
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        side = getattr(pipe.tokenizer, "padding_side", "left")  # encode_prompt sets left padding (Gemma's)
+        video, audio, keep = pipe.connectors(embeds, mask, padding_side=side)
+        for prompt in prompts:
+            n = len(pipe.tokenizer(prompt.strip(), add_special_tokens=True).input_ids)
+            if n > self.max_sequence_length:
+                warn_truncated(
+                    f"PipelineTextEncoder ({self.pipeline_class})", prompt, n, self.max_sequence_length,
+                    "text.max_sequence_length",
+                )
+        keep = keep.cpu().bool()
+        return {
+            f"{prefix}prompt_embeds": list(video.float().cpu()),
+            f"{prefix}prompt_embeds_mask": list(keep),
+            f"{prefix}prompt_embeds_2": list(audio.float().cpu()),
+            f"{prefix}prompt_embeds_mask_2": list(keep),
+        }
 
     def _flux2_layers(self) -> tuple[int, ...]:
         """The text-encoder layers ``encode_prompt`` stacks by default (its ``text_encoder_out_layers``; [klein]:

@@ -92,6 +92,9 @@ class RewardSet:
         decode: the final latents ``[b, ...]`` -> pixels in [0, 1] (``decode.PixelDecoder``); None without a VAE.
         engine: gives the SP group, this rank's place in it and the device collectives use (None: one process).
         features: each sample's features, computed beside the rewards from the same pixels (``features.py``).
+        audio: the final latents -> waveforms ``[b, channels, samples]`` (LTX-2's ``ltx2.AudioDecoder``, whose
+            ``sample_rate`` is read): a pixel reward's metadata rows then carry ``"audio"`` (``[channels, samples]``
+            float32 in [-1, 1]) and ``"audio_sample_rate"``.
     """
 
     def __init__(
@@ -101,9 +104,11 @@ class RewardSet:
         decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
         engine: Any = None,
         features: Features | None = None,
+        audio: Any = None,
     ) -> None:
         self.specs = list(specs)
         self.reward_view, self.decode, self.engine, self.features = reward_view, decode, engine, features
+        self.audio = audio
         self.wants_pixels = any(s.input == "pixels" for s in self.specs)
         from ..config import ConfigError
 
@@ -121,13 +126,20 @@ class RewardSet:
 
     @classmethod
     def from_config(
-        cls, config: Any, adapter: Any, engine: Any = None, decode: Any = None, features: Features | None = None
+        cls,
+        config: Any,
+        adapter: Any,
+        engine: Any = None,
+        decode: Any = None,
+        features: Features | None = None,
+        audio: Any = None,
     ) -> RewardSet:
-        """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``); pixels from ``decode`` (a ``PixelDecoder``)."""
+        """``flowgrpo.rewards`` (else the built-in ``flowgrpo.reward``); pixels from ``decode`` (a ``PixelDecoder``),
+        waveforms from ``audio`` (LTX-2's ``AudioDecoder``)."""
         from .loading import reward_specs
 
         g = config.flowgrpo
-        return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine, features)
+        return cls(reward_specs(g.rewards, g.reward), adapter.reward_view, decode, engine, features, audio)
 
     @property
     def names(self) -> list[str]:
@@ -166,12 +178,25 @@ class RewardSet:
                     "a VAE of the model's family (model.pipeline's own); out of memory: a smaller "
                     "flowgrpo.micro_batch_size (the batch it decodes at once)"
                 )
+        rows = list(metadata)
+        if self.audio is not None and self.wants_pixels:
+            try:
+                with torch.no_grad():
+                    waves = self.audio(latents).cpu()
+            except Exception as err:
+                return out, (
+                    f"decoding the audio with the pipeline's audio VAE and vocoder raised {type(err).__name__}: {err}"
+                    f"{_where(err)}; fix: model.pipeline's own audio_vae and vocoder; out of memory: a smaller "
+                    "flowgrpo.micro_batch_size"
+                )
+            rate = int(self.audio.sample_rate)
+            rows = [{**row, "audio": wave, "audio_sample_rate": rate} for row, wave in zip(rows, waves, strict=True)]
         view = self.reward_view(latents) if any(s.input == "latents" for s in self.specs) else None
         for j, spec in enumerate(self.specs):
             data = pixels if spec.input == "pixels" else view
             try:
                 with torch.no_grad():
-                    result = spec.fn(data, list(prompts), list(metadata), **spec.kwargs)
+                    result = spec.fn(data, list(prompts), list(rows), **spec.kwargs)
             except RewardServerError as err:  # its message names the server and the fix
                 return out, f"reward {spec.label}: {err}"
             except Exception as err:

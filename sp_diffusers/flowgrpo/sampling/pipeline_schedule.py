@@ -23,6 +23,8 @@ keeps the pipeline's ``UniPCMultistepScheduler`` for its sigmas and integer time
   - FLUX.2 (``Flux2KleinPipeline``, ``Flux2Pipeline``): ``set_timesteps(sigmas=linspace(1, 1/N, N), mu)`` (no
     sigmas where the config sets ``use_flow_sigmas``) with the pipelines' own ``compute_empirical_mu(image tokens,
     N)`` (it depends on the step count too; the config's base / max shift are not read).
+  - LTX-2 (``LTX2Pipeline``): as FLUX.1, ``mu`` over the video tokens alone (the audio stream steps on a copy of
+    the same scheduler).
   - HunyuanVideo-1.5 (``HunyuanVideo15Pipeline``): ``set_timesteps(sigmas=linspace(1, 0, N + 1)[:-1])``, which the
     scheduler shifts by its static ``shift`` (5 for the 480p checkpoints).
 
@@ -149,7 +151,7 @@ def pipeline_schedule(
     shift: float | None = None,
 ) -> Schedule:
     """The ``num_steps``-step schedule the ``kind`` pipeline (``sd3``, ``qwenimage``, ``flux``, ``flux2``, ``wan``,
-    ``zimage``, ``hunyuanvideo15``) samples with.
+    ``zimage``, ``hunyuanvideo15``, ``ltx2``) samples with.
 
     Args:
         scheduler_config: the pipeline's scheduler config (``load_scheduler_config``); None: the family default.
@@ -173,19 +175,21 @@ def pipeline_schedule(
     else:  # UniPC: a VP grid until set_timesteps; its flow grid by the same formula
         train = _shifted_grid(int(c.get("num_train_timesteps", 1000)), float(c.get("flow_shift", 1.0)))
     dynamic = name == "FlowMatchEulerDiscreteScheduler" and bool(c.get("use_dynamic_shifting", False))
-    flux_like = kind in ("qwenimage", "flux")  # both pipelines pass linspace(1, 1/N, N) sigmas and mu
+    flux_like = kind in ("qwenimage", "flux", "ltx2")  # the pipelines pass linspace(1, 1/N, N) sigmas and mu
     if (flux_like or kind in ("zimage", "flux2") or (kind == "sd3" and dynamic)) and image_seq_len is None:
         raise ValueError(f"the {kind} pipeline schedule depends on the image tokens: pass image_seq_len")
     if kind == "flux2":  # the FLUX.2 pipelines' own mu, of the image tokens and the step count
         mu = _flux2_mu(image_seq_len, num_steps)
     elif flux_like or kind == "zimage" or (kind == "sd3" and dynamic):
-        # the pipelines' calculate_shift fallbacks differ (Qwen-Image 1.15, SD3 1.16 as max_shift)
+        # the pipelines' calculate_shift fallbacks differ (Qwen-Image 1.15, SD3 1.16 as max_shift; LTX-2's own four,
+        # over its video tokens)
+        base_len, base_shift, max_shift = (1024, 0.95, 2.05) if kind == "ltx2" else (256, 0.5, 1.16 if kind == "sd3" else 1.15)
         mu = qwenimage_mu(
             image_seq_len,
-            c.get("base_image_seq_len", 256),
+            c.get("base_image_seq_len", base_len),
             c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5),
-            c.get("max_shift", 1.16 if kind == "sd3" else 1.15),
+            c.get("base_shift", base_shift),
+            c.get("max_shift", max_shift),
         )
     else:
         mu = None
