@@ -63,8 +63,26 @@ def accepted_config(kind: str, config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k in params}
 
 
+# the generic layer-count keyword -> what a class names it (Z-Image: n_layers), so one override serves every kind
+_LAYER_KEYS = ("num_layers", "n_layers")
+
+
 def tiny_model_config(kind: str, **overrides: Any) -> dict[str, Any]:
-    """The constructor kwargs of the tiny ``kind`` model (``overrides`` replace defaults)."""
+    """The constructor kwargs of the tiny ``kind`` model (``overrides`` replace defaults; ``num_layers`` is the
+    layer count whatever the class calls it). A key the class does not take is refused by name."""
+    params = inspect.signature(model_class(kind).__init__).parameters
+    if "num_layers" in overrides and "num_layers" not in params:
+        alias = next((k for k in _LAYER_KEYS if k in params), None)
+        if alias is not None:
+            overrides = {alias: overrides["num_layers"], **{k: v for k, v in overrides.items() if k != "num_layers"}}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = sorted(k for k in overrides if k not in params and not takes_any)
+    if unknown:
+        keys = ", ".join(k for k in params if k != "self")
+        raise ValueError(
+            f"model.overrides: the tiny {kind} model ({model_class(kind).__name__}) takes no {', '.join(unknown)}; "
+            f"fix: use its constructor's keys ({keys})"
+        )
     return {**_get(kind).config(), **overrides}
 
 
