@@ -243,3 +243,33 @@ def _pipeline_final(pipe, adapter, video: torch.Tensor, audio: torch.Tensor) -> 
     latents = torch.cat([packed_video, packed_audio], dim=1)
     assert latents.shape == adapter.latent_shape(video.shape[0])
     return latents
+
+
+def test_sample_writes_the_soundtrack_beside_and_into_the_video(ltx2_folder, tmp_path):
+    """``sp-diffusers sample`` of one prompt on an LTX-2 folder: the trainer's sampler (plain CFG at ``--guidance``
+    for both streams), the frames as an MP4 with the soundtrack muxed in as AAC, and the same waveform as a 16-bit WAV
+    beside it: the pipeline's own soundtrack at those settings, to the WAV's quantisation (1 / 32767)."""
+    import subprocess
+
+    import imageio_ffmpeg
+
+    from sp_diffusers.flowgrpo.io import sample
+    from sp_diffusers.flowgrpo.io.media import read_video, read_wav
+
+    out = sample.render(
+        ltx2_folder, ["a red cat"], tmp_path / "cat.mp4", steps=2, height=IO_SIZE, width=IO_SIZE, frames=IO_FRAMES,
+        guidance=3.0, max_sequence_length=LTX2_MAX_SEQUENCE_LENGTH,
+    )
+    assert out == tmp_path / "cat.mp4" and read_video(out).shape == (IO_FRAMES, 3, IO_SIZE, IO_SIZE)
+    probe = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-i", str(out)], capture_output=True, text=True).stderr
+    assert "Video: h264" in probe and "Audio: aac" in probe, probe
+    wave, rate = read_wav(out.with_suffix(".wav"))
+    pipe = diffusers.DiffusionPipeline.from_pretrained(ltx2_folder)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        ["a red cat"], height=IO_SIZE, width=IO_SIZE, num_frames=IO_FRAMES, num_inference_steps=2,
+        max_sequence_length=LTX2_MAX_SEQUENCE_LENGTH, output_type="pt", generator=torch.Generator("cpu").manual_seed(0),
+        **_plain_cfg(3.0),
+    ).audio[0]
+    assert rate == pipe.vocoder.config.output_sampling_rate and wave.shape == want.shape
+    torch.testing.assert_close(wave, want.float().clamp(-1, 1), atol=1.0 / 32767, rtol=0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from sp_diffusers.flowgrpo.config import ConfigError
@@ -58,3 +59,18 @@ def test_true_cfg_guides_qwen_image_and_is_quiet_without_it(pipelines, tmp_path,
     assert "not enabled" not in caplog.text  # diffusers' true_cfg_scale warning: no negative prompt, no guidance
     assert np.array_equal(pixels["plain"], pixels["cfg1"])  # 1: no guidance, what the default was
     assert not np.array_equal(pixels["cfg1"], pixels["cfg8"])  # 8 with the negative prompt ' ': guided
+
+
+def test_guidance_sets_the_guider_of_a_pipeline_that_guides_through_one(tmp_path):
+    """HunyuanVideo-1.5's ``__call__`` takes no ``guidance_scale``: its folder's ``ClassifierFreeGuidance`` guides.
+    ``--guidance g`` is that guider's scale (the folder's is 6): 6 renders what no flag renders, 1 (no CFG) differs."""
+    from sp_diffusers.flowgrpo.io.media import read_video
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    folder = save_tiny_pipeline("hunyuanvideo15", tmp_path / "hv", num_layers=1)
+    frames = {}
+    for name, kw in {"folder": {}, "six": {"guidance": 6.0}, "one": {"guidance": 1.0}}.items():
+        out = sample.render(folder, ["a red cube"], tmp_path / f"{name}.mp4", steps=2, height=16, width=16, frames=5, **kw)
+        frames[name] = read_video(out)
+    assert torch.equal(frames["folder"], frames["six"])
+    assert not torch.equal(frames["six"], frames["one"])

@@ -115,7 +115,7 @@ def _mux(video: Path, wav: Path, out: Path) -> None:
     import imageio_ffmpeg
 
     command = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-loglevel", "error", "-i", str(video), "-i", str(wav)]
-    command += ["-c:v", "copy", "-c:a", "aac", "-shortest", str(out)]
+    command += ["-c:v", "copy", "-c:a", "aac", str(out)]  # every frame kept, whichever track is longer
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"muxing {wav} into {out} failed (ffmpeg: {done.stderr.strip()[-400:]})")

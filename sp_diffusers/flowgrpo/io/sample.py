@@ -72,11 +72,12 @@ def _pipeline_class(pipeline: Path) -> tuple[str, Any]:
 
 def _guidance(
     pipeline: Path, name: str, cls: Any, guidance: float | None, true_cfg: float | None, negative: str | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], float | None]:
     """The guidance keywords ``name``'s ``__call__`` reads, from ``--guidance`` / ``--true-cfg`` /
-    ``--negative-prompt``; a flag the pipeline would ignore is refused. Qwen-Image(-Edit) and FLUX.1 without
-    guidance embedding guide by ``true_cfg_scale`` with a negative prompt (their ``guidance_scale`` is for
-    guidance-distilled transformers only)."""
+    ``--negative-prompt``, and the scale for the folder's ``guider`` where the pipeline guides through one
+    (HunyuanVideo-1.5: ``--guidance`` is its ``ClassifierFreeGuidance``'s ``guidance_scale``); a flag the pipeline
+    would ignore is refused. Qwen-Image(-Edit) and FLUX.1 without guidance embedding guide by ``true_cfg_scale`` with
+    a negative prompt (their ``guidance_scale`` is for guidance-distilled transformers only)."""
     import inspect
     import json
 
@@ -85,6 +86,7 @@ def _guidance(
     embeds = bool(json.loads(config.read_text()).get("guidance_embeds", False)) if config.is_file() else False
     takes_true_cfg = "true_cfg_scale" in params
     kwargs: dict[str, Any] = {}
+    guider_scale = None
     if guidance is not None:
         if takes_true_cfg and not embeds:
             raise ConfigError(
@@ -92,9 +94,12 @@ def _guidance(
                 f"nothing; its classifier-free guidance is true_cfg_scale with a negative prompt; fix: --true-cfg "
                 f"{guidance:g} (and --negative-prompt TEXT; default ' ')"
             )
-        if "guidance_scale" not in params:
+        if "guidance_scale" in params:
+            kwargs["guidance_scale"] = guidance
+        elif (pipeline / "guider" / "guider_config.json").is_file():
+            guider_scale = guidance
+        else:
             raise ConfigError(f"--guidance: {name} takes no guidance_scale; fix: leave --guidance out")
-        kwargs["guidance_scale"] = guidance
     if true_cfg is not None and not takes_true_cfg:
         raise ConfigError(f"--true-cfg: {name} takes no true_cfg_scale; fix: --guidance {true_cfg:g}")
     if negative is not None and "negative_prompt" not in params:
@@ -107,7 +112,7 @@ def _guidance(
             negative = " "
     if negative is not None:
         kwargs["negative_prompt"] = negative
-    return kwargs
+    return kwargs, guider_scale
 
 
 def _device() -> torch.device:
@@ -192,7 +197,7 @@ def render(
     for file, flag in ((lora, "--lora"), (lora_2, "--lora-2")):
         if file and not Path(file).is_file():
             raise ConfigError(f"{flag} {file}: no such file (a .safetensors LoRA)")
-    guidance_kwargs = _guidance(pipeline, name, cls, guidance, true_cfg, negative_prompt)
+    guidance_kwargs, guider_scale = _guidance(pipeline, name, cls, guidance, true_cfg, negative_prompt)
     sources = _sources(name, images)
     if ulysses > 1:
         _join(ulysses)
@@ -212,6 +217,8 @@ def render(
             else:  # no LoRA loader (HunyuanVideo15Pipeline): the file as export writes it (io/export.LORA_WRITERS)
                 model = pipe.transformer_2 if into_2 else pipe.transformer
                 model.load_lora_adapter(str(path.parent), weight_name=path.name, prefix="transformer")
+    if guider_scale is not None:  # the folder's guider at --guidance (its other settings kept)
+        pipe.guider = pipe.guider.new(guidance_scale=guider_scale)
     pipe.to(_device())
     pipe.set_progress_bar_config(disable=True)
     for part in ("transformer", "transformer_2"):  # before the plan's hooks wrap the forwards
