@@ -273,3 +273,26 @@ def test_sample_writes_the_soundtrack_beside_and_into_the_video(ltx2_folder, tmp
     ).audio[0]
     assert rate == pipe.vocoder.config.output_sampling_rate and wave.shape == want.shape
     torch.testing.assert_close(wave, want.float().clamp(-1, 1), atol=1.0 / 32767, rtol=0)
+
+
+def test_an_audio_stream_shorter_than_the_sp_degree_is_refused_by_name():
+    """The two-stream plan splits the audio tokens over the SP ranks too: fewer of them than ranks is refused before
+    the run starts, naming the keys that set the audio length."""
+    from sp_diffusers.flowgrpo.build import check_run
+    from sp_diffusers.flowgrpo.config import TrainConfig
+    from sp_diffusers.flowgrpo.models.ltx2 import ltx2_adapter
+    from sp_diffusers.tiny import tiny_model
+
+    model = tiny_model("ltx2", num_layers=1)
+    c = TrainConfig()
+    c.model.kind, c.model.frames, c.model.image_size = "ltx2", 2, 8
+
+    class Text:  # the connectors' width, as the model takes it
+        hidden_size = model.config.caption_channels
+
+    adapter = ltx2_adapter(model, 2, 8, 8, audio_frames=3)
+    assert adapter.audio_tokens == 3 and adapter.tokens == 128
+    check_run(c, model, Text(), adapter, 3)  # 3 audio tokens over 3 ranks: one each
+    with pytest.raises(ValueError, match=r"gives 3 audio tokens \(model\.audio_frames=0\), fewer than the SP degree 4; "
+                       r"fix: a longer video \(more model\.frames\) or a larger model\.audio_frames"):
+        check_run(c, model, Text(), adapter, 4)

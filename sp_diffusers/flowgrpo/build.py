@@ -176,6 +176,13 @@ def check_run(
             f"model.image_size={c.model.image_size} gives {adapter.tokens} image tokens, fewer than the SP degree "
             f"{sp_size}; fix: a larger image_size, or a lower parallel.ulysses_sequence_parallel_size"
         )
+    audio = adapter.audio_tokens  # LTX-2's plan splits its audio stream over the SP ranks too
+    if audio and audio < sp_size:
+        raise ValueError(
+            f"model.frames={c.model.frames} at model.frame_rate={c.model.frame_rate:g} gives {audio} audio tokens "
+            f"(model.audio_frames={c.model.audio_frames}), fewer than the SP degree {sp_size}; fix: a longer video "
+            "(more model.frames) or a larger model.audio_frames, or a lower parallel.ulysses_sequence_parallel_size"
+        )
     if g.kl_reward > 0 and not c.lora.enabled:
         raise ValueError(
             "flowgrpo.kl_reward > 0 needs a reference policy; fix: enable lora (the reference is the base model with "

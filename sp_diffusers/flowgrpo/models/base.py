@@ -16,6 +16,11 @@ class FamilyAdapter:
     # the most samples the family's VAE decodes or encodes in one call (None: any; HunyuanVideo-1.5's: 1)
     vae_batch: ClassVar[int | None] = None
 
+    @property
+    def audio_tokens(self) -> int:
+        """The tokens of an audio stream beside the image / video tokens (none here; LTX-2's)."""
+        return 0
+
     def noisy_output(self, out: torch.Tensor) -> torch.Tensor:
         """The part of the transformer's output that belongs to the noisy latents (all of it here)."""
         return out

@@ -68,6 +68,10 @@ class LTX2Adapter(FamilyAdapter):
         """The video tokens: what the pipeline's schedule shift (``mu``) reads."""
         return self.frames * self.height * self.width
 
+    @property
+    def audio_tokens(self) -> int:
+        return self.audio_frames  # one token per latent audio frame
+
     def latent_shape(self, batch: int) -> tuple[int, int, int]:
         return (batch, self.tokens + self.audio_frames, self.channels)
 
