@@ -61,6 +61,22 @@ def worst_step(
     return ratio <= 1.0, diff.max().item(), ratio
 
 
+def assert_update_matches(got: dict, ref: dict, layout: str) -> None:
+    """A distributed update equals one process's: every gradient within :func:`grad_tolerance`, the reference's step
+    moved the model, every parameter with a gradient within the AdamW-step bound (``PARITY_LR``, ``PARITY_EPS``)."""
+    assert set(got["grads"]) == set(ref["grads"]) and len(ref["grads"]) > 0
+    for name, g_ref in ref["grads"].items():
+        ok, err = worst_grad(got["grads"][name], g_ref)
+        assert ok, f"{layout}: grad {name} off by {err:.3e}"
+    assert ref["step_moved"] > 0.1 * PARITY_LR
+    for name, p_ref in ref["params"].items():
+        g_ref = ref["grads"].get(name)
+        if g_ref is None:
+            continue
+        ok, err, ratio = worst_step(got["params"][name], p_ref, g_ref, PARITY_LR, PARITY_EPS)
+        assert ok, f"{layout}: parameter {name} off by {err:.3e} ({ratio:.2f} x its bound)"
+
+
 def adam_resumed_step_tolerance(
     p_ref: torch.Tensor,
     g_ref: torch.Tensor,

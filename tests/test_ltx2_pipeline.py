@@ -226,12 +226,15 @@ def test_ltx2_sampler_steps_and_decodes_as_the_pipeline(ltx2_folder, guidance):
     # decoded from the pipeline's own last step (its final latents, normalised and packed back)
     _, _, _, decoded = _io_call(ltx2_folder, guidance, "pt")
     latents = _pipeline_final(pipe, adapter, video, audio)
+    # the latents came back through de-normalise / normalise (a few ulps each) before the decoders, which carry that
+    # into their outputs (4e-7 on pixels in [0, 1], 2e-8 on the waveform measured here): 5e-6 leaves room for another
+    # CPU's rounding
     pixels = PixelDecoder(pipe.vae, adapter, "cpu")(latents)
     assert pixels.shape == decoded.frames.shape == (2, IO_FRAMES, 3, IO_SIZE, IO_SIZE)
-    torch.testing.assert_close(pixels, decoded.frames.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(pixels, decoded.frames.float(), atol=5e-6, rtol=0)
     decoder = AudioDecoder(pipe.audio_vae, pipe.vocoder, adapter, "cpu")
     assert decoder.sample_rate == pipe.vocoder.config.output_sampling_rate
-    torch.testing.assert_close(decoder(latents), decoded.audio.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(decoder(latents), decoded.audio.float(), atol=5e-6, rtol=0)
 
 
 def _pipeline_final(pipe, adapter, video: torch.Tensor, audio: torch.Tensor) -> torch.Tensor:

@@ -340,11 +340,7 @@ def tiny_ltx2_vae(seed: int, latent_channels: int) -> Any:
             patch_size=1,
             patch_size_t=1,
         )
-        stats = _latent_stats(latent_channels)
-        with torch.no_grad():
-            vae.latents_mean.copy_(torch.tensor(stats["latents_mean"]))
-            vae.latents_std.copy_(torch.tensor(stats["latents_std"]))
-        return vae
+        return _with_stat_buffers(vae)
 
     return _seeded(seed, build)
 
@@ -372,11 +368,7 @@ def tiny_ltx2_audio_vae(seed: int, latent_channels: int = 2, mel_bins: int = 16)
             mel_hop_length=160,
             mel_bins=mel_bins,
         )
-        stats = _latent_stats(features)
-        with torch.no_grad():
-            vae.latents_mean.copy_(torch.tensor(stats["latents_mean"]))
-            vae.latents_std.copy_(torch.tensor(stats["latents_std"]))
-        return vae
+        return _with_stat_buffers(vae)
 
     return _seeded(seed, build)
 
@@ -495,6 +487,16 @@ def tiny_flux2_vae(seed: int, latent_channels: int) -> Any:
         return vae
 
     return _seeded(seed, build)
+
+
+def _with_stat_buffers(vae: Any) -> Any:
+    """``vae`` with its ``latents_mean`` / ``latents_std`` buffers (LTX-2's VAEs keep them as buffers, not config)
+    set to :func:`_latent_stats`, away from 0 / 1."""
+    stats = _latent_stats(vae.latents_mean.numel())
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.tensor(stats["latents_mean"]))
+        vae.latents_std.copy_(torch.tensor(stats["latents_std"]))
+    return vae
 
 
 def _latent_stats(z_dim: int) -> dict[str, list[float]]:
