@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..parallel.devices import to_device
+
 __all__ = ["IterationBatch", "StepPlan"]
 
 
@@ -61,9 +63,31 @@ class IterationBatch:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def cond_of(self, index: torch.Tensor | None = None) -> dict[str, Any]:
-        """The conditioning of samples ``index`` (all: ``cond`` itself)."""
-        return dict(self.cond) if index is None else {k: v[index] for k, v in self.cond.items()}
+    def cond_of(self, index: torch.Tensor | slice | None = None) -> dict[str, Any]:
+        """The conditioning of samples ``index`` (all: ``cond`` itself): a slice, or host indices (a CPU tensor, as
+        the update's micro-batches are), which reach each tensor's device once (queued, no host sync); a host list
+        (Z-Image's ``*_lengths``) is indexed on the host."""
+        if index is None:
+            return dict(self.cond)
+        if isinstance(index, slice):
+            return {k: v[index] for k, v in self.cond.items()}
+        lists = [k for k, v in self.cond.items() if isinstance(v, list)]
+        if lists and index.device.type != "cpu":
+            raise ValueError(
+                f"IterationBatch.cond_of: the host lists {lists} are indexed on the host, and these indices are on "
+                f"{index.device} (reading them would wait for the device); fix: pass the host indices (the micro-batch)"
+            )
+        host = index.tolist() if lists else []
+        placed: dict[torch.device, torch.Tensor] = {}
+        out: dict[str, Any] = {}
+        for key, value in self.cond.items():
+            if isinstance(value, list):
+                out[key] = [value[i] for i in host]
+            else:
+                if value.device not in placed:
+                    placed[value.device] = to_device(index, value.device)
+                out[key] = value[placed[value.device]]
+        return out
 
     def prepared(self, engine: Any) -> IterationBatch:
         """Dense text (padded to the SP degree), on the engine's device, identical on every rank of the SP group

@@ -141,7 +141,12 @@ class FlowGRPOTrainer:
         )
         check_run(c, self.engine.model, self.text_encoder, self.adapter, self.engine.sp_size)
         self.prompt_encoder = PromptEncoder(
-            self.text_encoder, self.conditioner, negative=c.flowgrpo.cfg_scale > 1.0, cache_mb=c.text.cache_mb
+            self.text_encoder,
+            self.conditioner,
+            negative=c.flowgrpo.cfg_scale > 1.0,
+            cache_mb=c.text.cache_mb,
+            # Z-Image: each row's text length on the host beside its text (no forward reads a mask back)
+            lengths=self.adapter.host_text_lengths,
         )
         vae = load_vae(c)  # model.pipeline's: pixels for rewards and sample grids
         self.decoder = (
@@ -357,7 +362,8 @@ class FlowGRPOTrainer:
             for draw in range(EVAL_PAIR_DRAWS):  # each pair at several (noise, sigma): one draw is a noisy measure
                 for micro in torch.arange(len(batch)).split(g.micro_batch_size):
                     idx = to_device(micro, batch.latents.device)
-                    step = evaluate_trained_step(self.engine, self.algorithm, ctx, traj, draw, idx, batch.cond_of(idx))
+                    cond = batch.cond_of(micro)  # host indices (cond_of)
+                    step = evaluate_trained_step(self.engine, self.algorithm, ctx, traj, draw, idx, cond)
                     _, metrics = self.algorithm.loss(step, Targets(idx.new_zeros(0)), 1.0)
                     for key in ("loss", "implicit_acc", "implicit_reward_margin"):
                         sums[key] = sums.get(key, 0.0) + metrics[key] * (micro.numel() * share)
@@ -423,7 +429,7 @@ class FlowGRPOTrainer:
         for mini in micro_batches(torch.arange(n), g.mini_batches, g.micro_batch_size, batch.shuffle_seed):
             for micro in mini:
                 idx = to_device(micro, traj.latents.device)
-                cond = batch.cond_of(idx)
+                cond = batch.cond_of(micro)  # host indices (cond_of)
                 for k in range(num_trained):
                     steps, latents, next_latents = traj.step_latents(idx, k)  # as the update reads them
                     engine = hold(route(self.engine, traj.host_step(k)))
@@ -451,7 +457,7 @@ class FlowGRPOTrainer:
         for mini in micro_batches(torch.arange(n), g.mini_batches, g.micro_batch_size, batch.shuffle_seed):
             for micro in mini:
                 idx = to_device(micro, traj.latents.device)
-                cond = batch.cond_of(idx)
+                cond = batch.cond_of(micro)  # host indices (cond_of)
                 for k in range(num_trained):
                     steps, latents, next_latents = traj.step_latents(idx, k)
                     expert = route(self.engine, traj.host_step(k))

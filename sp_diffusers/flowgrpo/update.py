@@ -31,7 +31,7 @@ from .sampling.trajectory import Trajectory
 
 __all__ = ["evaluate_trained_step", "micro_batches", "policy_update", "step_loss"]
 
-CondFn = Callable[[torch.Tensor], dict[str, Any]]  # sample indices -> the text conditioning of those samples
+CondFn = Callable[[torch.Tensor], dict[str, Any]]  # host sample indices -> the conditioning of those samples
 
 
 def micro_batches(
@@ -163,7 +163,7 @@ def policy_update(
             with engine.gathered_params(backward=True) if hold_params else contextlib.nullcontext():
                 for micro in micros:
                     idx = to_device(micro, device)
-                    cond = cond_of(idx)
+                    cond = cond_of(micro)  # host indices: a host list of the batch (Z-Image's lengths) too
                     for k in range(num_trained):
                         loss_fn = functools.partial(
                             step_loss,

@@ -15,6 +15,9 @@ __all__ = ["FamilyAdapter"]
 class FamilyAdapter:
     # the most samples the family's VAE decodes or encodes in one call (None: any; HunyuanVideo-1.5's: 1)
     vae_batch: ClassVar[int | None] = None
+    # the text's valid length per row, as host ints beside it (``PromptEncoder``): a family that hands its
+    # transformer each caption's valid rows only (Z-Image) cuts them without reading a mask on the device
+    host_text_lengths: ClassVar[bool] = False
 
     @property
     def audio_tokens(self) -> int:

@@ -36,6 +36,7 @@ __all__ = [
     "build_conditioning",
     "conditioned_adapter",
     "is_conditioned",
+    "text_lengths",
     "with_sources",
 ]
 
@@ -115,12 +116,22 @@ class PromptEncoder:
     prompt's for classifier-free guidance when ``negative``, an image-conditioned family's ``condition_*``) and that
     family's source pixels (None for a text-only family); each row's condition is encoded once and shared by the
     ``repeat`` samples of its group. Each prompt (a text-only family) or each row with its images (an
-    image-conditioned one) goes through the encoders once per run (``prompt_cache.py``, ``cache_mb``)."""
+    image-conditioned one) goes through the encoders once per run (``prompt_cache.py``, ``cache_mb``).
+
+    ``lengths`` (the adapter's ``host_text_lengths``: Z-Image, which hands its transformer each caption's valid rows
+    only): each text's ``{key}_lengths`` too, a host list of each row's valid token count (:func:`text_lengths`),
+    counted here from the host masks, so that no forward has to read a mask on the device to cut the rows."""
 
     def __init__(
-        self, text_encoder: Any, conditioner: ConditionEncoder | None, negative: bool, cache_mb: float = 0.0
+        self,
+        text_encoder: Any,
+        conditioner: ConditionEncoder | None,
+        negative: bool,
+        cache_mb: float = 0.0,
+        lengths: bool = False,
     ) -> None:
         self.text, self.conditioner, self.negative = text_encoder, conditioner, negative
+        self.lengths = lengths
         self.cache = PromptCache(text_encoder, cache_mb)
         self.conditions = ConditionCache(cache_mb)  # an image-conditioned family's rows, each encoded once
         self.text_length = 0  # every prompt's text padded to this many tokens (masked), once prepare() knows it
@@ -139,16 +150,22 @@ class PromptEncoder:
             cond = self._padded(self.cache.encode_batch(prompts))
             if self.negative:
                 cond.update(self._padded(self.cache.encode_batch([""] * len(prompts), prefix="negative_")))
-            return cond, None
+            return self._with_lengths(cond), None
         conditioner = self.conditioner
         cond = self.conditions.encode(rows, lambda missing: conditioner.encode(missing, 1, negative=self.negative))
         cond = {k: _repeat(v, repeat) for k, v in cond.items()}
-        return cond, cond.pop("source_pixels")
+        return self._with_lengths(cond), cond.pop("source_pixels")
 
     @property
     def seconds(self) -> float:
         """Time spent in the encoders so far (text, and an image-conditioned family's VAE and image encoder)."""
         return self.cache.seconds + self.conditions.seconds
+
+    def _with_lengths(self, cond: dict[str, Any]) -> dict[str, Any]:
+        if self.lengths:
+            for key in [k for k in cond if k.endswith("prompt_embeds")]:
+                cond[f"{key}_lengths"] = text_lengths(cond[f"{key}_mask"], key)
+        return cond
 
     def _padded(self, cond: dict[str, Any]) -> dict[str, Any]:
         if not self.text_length:
@@ -160,6 +177,23 @@ class PromptEncoder:
             out[key] = [F.pad(e, (0, 0, 0, n)) for e, n in zip(embeds, pad, strict=True)]
             out[f"{key}_mask"] = [F.pad(m, (0, n), value=False) for m, n in zip(masks, pad, strict=True)]
         return out
+
+
+def text_lengths(masks: Any, name: str = "prompt_embeds") -> list[int]:
+    """Each row's valid token count, as host ints, from its host mask (``[L_i]`` each, or ``[B, L]``), whose valid
+    tokens must come first (the text encoders' and ``PromptEncoder``'s padding is at the end): a count is then the
+    slice ``[:n]`` that the mask selects. Read on the host, when a batch is made: a CPU mask costs no device sync."""
+    out = []
+    for i, mask in enumerate(masks):
+        keep = mask.detach().to("cpu", torch.bool)
+        n = int(keep.sum())
+        if not bool(keep[:n].all()):
+            raise ValueError(
+                f"{name}_mask row {i} has padding between its valid tokens ({keep.int().tolist()}); the text lengths "
+                "carried beside it assume each row's valid tokens first; fix: a text encoder that pads at the end"
+            )
+        out.append(n)
+    return out
 
 
 def with_sources(metadata: list[dict] | None, pixels: torch.Tensor | None, count: int) -> list[dict]:

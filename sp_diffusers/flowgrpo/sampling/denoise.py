@@ -61,6 +61,9 @@ def velocity(
         embeds, mask, pooled = (text[prefix + _TEXT[0]], text[prefix + _TEXT[1]], text.get(prefix + _TEXT[2]))
         condition = {k: v for k, v in text.items() if k.startswith("condition_")}
         extra: dict[str, Any] = {"condition": condition} if condition else {}
+        # each row's valid text length as host ints (Z-Image's: models/conditioning.PromptEncoder)
+        if text.get(prefix + "prompt_embeds_lengths") is not None:
+            extra["lengths"] = text[prefix + "prompt_embeds_lengths"]
         if text.get(prefix + "prompt_embeds_2") is not None:  # a second text stream (HunyuanVideo-1.5's byT5)
             extra["text_2"] = (text[prefix + "prompt_embeds_2"].to(dtype), text[prefix + "prompt_embeds_mask_2"])
         out = engine.forward(**adapter.inputs(x, t, embeds.to(dtype), mask, pooled, **extra))

@@ -35,8 +35,9 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def paired(cond: dict[str, Any]) -> dict[str, Any]:
-    """The text of both branches as one batch: ``prompt_embeds [2B, L, D]`` (conditional first), its mask, the
-    pooled embeddings where the family has them and an image condition repeated; ``L`` the longer of the two texts."""
+    """The text of both branches as one batch: ``prompt_embeds [2B, L, D]`` (conditional first), its mask (and its
+    host lengths where the batch carries them: Z-Image's), the pooled embeddings where the family has them and an
+    image condition repeated; ``L`` the longer of the two texts."""
     pos, neg = cond["prompt_embeds"], cond["negative_prompt_embeds"]
     length = max(pos.shape[1], neg.shape[1])
     out = {
@@ -48,6 +49,9 @@ def paired(cond: dict[str, Any]) -> dict[str, Any]:
             ]
         ),
     }
+    lengths = cond.get("prompt_embeds_lengths")  # each row's valid length, on the host (Z-Image's)
+    if lengths is not None:
+        out["prompt_embeds_lengths"] = [*lengths, *cond["negative_prompt_embeds_lengths"]]
     if cond.get("prompt_embeds_2") is not None:  # a second text stream, stacked as the first
         pos_2, neg_2 = cond["prompt_embeds_2"], cond["negative_prompt_embeds_2"]
         length_2 = max(pos_2.shape[1], neg_2.shape[1])
