@@ -2,7 +2,7 @@
 # The real-run path on 2 CPU processes at tiny size: pipeline folder -> FlowGRPO with rewards you bring, a .jsonl
 # dataset with eval and sample grids -> `sp-diffusers export` -> `sp-diffusers sample` under SP.
 #   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan, wan2.2, zimage,
-#                                                      # flux2-klein, hunyuanvideo15 or ltx2 for the others)
+#                                                      # flux2-klein, flux2-dev, hunyuanvideo15 or ltx2 for the others)
 #   FAMILY=qwenimage-edit bash examples/run_trainer_io_tiny.sh   # editing / I2V on image rows: flux-kontext,
 #                                                      # qwenimage-edit, wan-i2v, wan2.2-i2v, wan2.2-ti2v
 #   RUNS=/tmp/runs bash examples/run_trainer_io_tiny.sh  # where the pipeline, run and export go (default runs/)

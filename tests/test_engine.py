@@ -56,11 +56,12 @@ def pipeline_folder(tmp_path_factory):
         if kind.endswith("_pipeline") and kind not in written:
             from sp_diffusers.tiny import save_tiny_pipeline
 
-            family = kind.removesuffix("_pipeline").replace("flux2_klein", "flux2-klein")
-            # Z-Image, FLUX.2 [klein]: 6 heads of 16 (the axes' dims), so that Ulysses 3 divides them
+            family = kind.removesuffix("_pipeline").replace("flux2_", "flux2-")
+            # Z-Image, FLUX.2 [klein] and [dev]: 6 heads of 16 (the axes' dims), so that Ulysses 3 divides them
             wide = {
                 "zimage": {"dim": 96, "n_heads": 6, "n_kv_heads": 6},
                 "flux2-klein": {"num_attention_heads": 6},
+                "flux2-dev": {"num_attention_heads": 6},
                 "hunyuanvideo15": {"num_attention_heads": 6},
                 "ltx2": {
                     "num_attention_heads": 6,
@@ -82,6 +83,7 @@ def pipeline_folder(tmp_path_factory):
     + [("sp2", False, "wan_pipeline"), ("dp2_sp2", False, "wan_pipeline")]
     + [(layout, False, "zimage_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [(layout, False, "flux2_klein_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
+    + [(layout, False, "flux2_dev_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [(layout, False, "hunyuanvideo15_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [(layout, False, "ltx2_pipeline") for layout in ("sp2", "sp3", "ring2_ulysses2")]
     + [
@@ -97,18 +99,20 @@ def test_flowgrpo_step_matches_one_process(layout, lora, kind, pipeline_folder):
     [B, C, F, H, W]) from a real WanPipeline folder: its UMT5 text, its UniPC schedule, diffusers' own Wan plan;
     Z-Image from a real ZImagePipeline folder (per-sample lists in and out, its chat-templated Qwen3 text, our plan)
     at Ulysses 2, 3 and 2 x Ring 2; FLUX.2 [klein] from a real Flux2KleinPipeline folder (packed tokens, batched
-    4-axis ids, its stacked Qwen3 layers, diffusers' own plan) at the same three; HunyuanVideo-1.5 from a real
+    4-axis ids, its stacked Qwen3 layers, diffusers' own plan) at the same three, and FLUX.2 [dev] from a real
+    Flux2Pipeline folder (its Mistral3 text and the guidance embedding's input) too; HunyuanVideo-1.5 from a real
     HunyuanVideo15Pipeline folder (two text streams, zero condition channels and image tokens, our plan) too; LTX-2
     from a real LTX2Pipeline folder (video and audio tokens in one latent tensor, the connectors' two text streams,
     our two-stream plan) too;
     ring2_ulysses2 is Ulysses x Ring (USP) on 4 ranks: dp 1 x ring 2 x ulysses 2; dp2_ring2 is dp 2 x ring 2;
     hsdp2_* shard within 2 replica groups of 2 ranks and all-reduce gradients across them (HSDP)."""
     world, sp, ring, *replicate = {**LAYOUTS, **EXTRA_LAYOUTS, **HSDP_LAYOUTS}[layout]
-    if kind == "flux2_klein_pipeline":
+    if kind in ("flux2_klein_pipeline", "flux2_dev_pipeline"):
         import diffusers
 
-        if not hasattr(diffusers, "Flux2KleinPipeline"):  # the compatibility matrix's 0.36 (-k sp2)
-            pytest.skip(f"diffusers {diffusers.__version__} has no Flux2KleinPipeline (0.37+)")
+        name = {"flux2_klein_pipeline": "Flux2KleinPipeline", "flux2_dev_pipeline": "Flux2Pipeline"}[kind]
+        if not hasattr(diffusers, name):  # the compatibility matrix's older releases (-k sp2)
+            pytest.skip(f"diffusers {diffusers.__version__} has no {name}")
     pipeline = pipeline_folder(kind)
     ref = _step(1, 1, lora, kind, 1, pipeline)[0]
     results = _step(world, sp, lora, kind, ring, pipeline, *replicate)

@@ -51,7 +51,8 @@ def _error(err: str) -> str:
     "config, kind, pipeline_class",
     [("tiny_wan_sp2.yaml", "wan", "WanPipeline"), ("flux1_dev_lora.yaml", "flux", "FluxPipeline"),
      ("wan22_a14b_lora.yaml", "wan", "WanPipeline"), ("z_image_turbo_lora.yaml", "zimage", "ZImagePipeline"),
-     ("flux2_klein_lora.yaml", "flux2", "Flux2KleinPipeline"),
+     ("flux2_klein_lora.yaml", "flux2", "Flux2KleinPipeline or Flux2Pipeline"),
+     ("flux2_dev_lora.yaml", "flux2", "Flux2KleinPipeline or Flux2Pipeline"),
      ("hunyuanvideo15_lora.yaml", "hunyuanvideo15", "HunyuanVideo15Pipeline"),
      ("ltx2_lora.yaml", "ltx2", "LTX2Pipeline")],
 )

@@ -1,4 +1,4 @@
-"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan, Z-Image, FLUX.2 [klein]), the
+"""A pipeline folder in: for each family the trainer reads (Qwen-Image, FLUX.1, SD3, Wan, Z-Image, FLUX.2 [klein] and [dev]), the
 pipeline's
 own ``__call__`` is run on a tiny pipeline written with ``save_pretrained`` and every transformer call is recorded;
 the trainer's parts built from the same folder (text encoder, schedule, adapter) must hand the transformer the same
@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import inspect
 import json
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "zimage", "flux2-klein")
-KIND = {"flux2-klein": "flux2"}  # tiny pipeline name -> model.kind, where they differ
+FAMILIES = ("qwenimage", "flux", "sd3", "wan", "zimage", "flux2-klein", "flux2-dev")
+KIND = {"flux2-klein": "flux2", "flux2-dev": "flux2"}  # tiny pipeline name -> model.kind, where they differ
 PROMPTS = ["a red cat", "a blue teapot on a table"]  # different lengths: ragged text
 # Qwen-Image's template leaves ~130 characters before the prompt (character tokenizer): keep them all; Z-Image's
-# chat template ~50; FLUX.2 [klein]'s (the empty think block added) ~50 more than the prompt, every row seen
-TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16, "zimage": 128, "flux2-klein": 96}
+# chat template ~50; FLUX.2 [klein]'s (the empty think block added) ~50 more than the prompt, every row seen; FLUX.2
+# [dev]'s tiny template 5 tokens (its system message and markers are one token each)
+TEXT_LEN = {"qwenimage": 256, "flux": 16, "sd3": 16, "wan": 16, "zimage": 128, "flux2-klein": 96, "flux2-dev": 32}
 # the inputs every call must carry, by the forward's parameter names (Z-Image's pipeline passes them by position)
 REQUIRED = {"zimage": {"x", "t", "cap_feats"}}
 DEFAULT_REQUIRED = {"hidden_states", "timestep", "encoder_hidden_states"}
@@ -55,6 +58,8 @@ def _record(pipe, family, guidance_scale: float | None = None):
         kwargs.update(guidance_scale=0.0 if guidance_scale is None else guidance_scale)
     elif family == "flux2-klein":  # no CFG (the distilled [klein]'s setting; Base guides at g > 1)
         kwargs.update(guidance_scale=1.0 if guidance_scale is None else guidance_scale)
+    elif family == "flux2-dev":  # guidance-distilled: its guidance_scale is the transformer's input (default 4)
+        kwargs.update(guidance_scale=4.0 if guidance_scale is None else guidance_scale)
     out = pipe(**kwargs, generator=torch.Generator().manual_seed(0))
     hook.remove()
     return calls, timesteps, out[0]
@@ -129,6 +134,8 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
         if family == "flux2-klein":  # no guidance embedding: none passed; 4-axis ids, batched, as the pipeline's
             assert call["guidance"] is None and "guidance" not in ours
             assert ours["img_ids"].shape == (len(PROMPTS), 4 * 8, 4) and ours["txt_ids"].shape[-1] == 4
+        if family == "flux2-dev":  # the guidance embedding's input: the pipeline's default 4, which the adapter takes
+            assert torch.equal(call["guidance"], torch.full((len(PROMPTS),), 4.0)) and "guidance" in shared
 
 
 class _Engine:
@@ -145,7 +152,8 @@ class _Engine:
 
 
 @pytest.mark.parametrize(
-    ("family", "guidance"), [("zimage", 0.0), ("zimage", 2.0), ("flux2-klein", 1.0), ("flux2-klein", 4.0)]
+    ("family", "guidance"),
+    [("zimage", 0.0), ("zimage", 2.0), ("flux2-klein", 1.0), ("flux2-klein", 4.0), ("flux2-dev", 2.5)],
 )
 def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
     """The velocity's sign, scale and guidance: from the pipeline's latents at each step, one deterministic step of
@@ -157,8 +165,9 @@ def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
     pipeline's ``pos + g (pos - neg)`` with the empty negative prompt against ``flowgrpo.cfg_scale = 1 + g``
     (``neg + s (pos - neg)``). FLUX.2 [klein]: the output is the velocity; g = 1 runs no CFG (as the distilled
     [klein] at any g); g = 4 (Base's default) is ``neg + g (pos - neg)`` over two forwards, so ``cfg_scale = g``:
-    with ``cfg_batch`` off the sampler makes the same two calls, bit for bit. Z-Image's CFG meets the same numbers
-    in another order: rounding only."""
+    with ``cfg_batch`` off the sampler makes the same two calls, bit for bit. FLUX.2 [dev]: no CFG, g is the
+    guidance embedding's input (``flowgrpo.guidance_scale``). Z-Image's CFG meets the same numbers in another order:
+    rounding only."""
     from diffusers import DiffusionPipeline
 
     from sp_diffusers.flowgrpo.build import build_text_encoder, run_schedule
@@ -174,11 +183,15 @@ def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
 
     c = TrainConfig()
     c.model.pipeline, c.model.image_size, c.model.image_width = str(folders[family]), 8, 16
-    scale = 1.0 + guidance if family == "zimage" else guidance  # Z-Image's g on top of 1; [klein]'s g is s
+    # Z-Image's g on top of 1; [klein]'s g is s; [dev] runs no CFG (its g is the guidance embedding's)
+    scale = {"zimage": 1.0 + guidance, "flux2-dev": 1.0}.get(family, guidance)
     c.text.max_sequence_length, c.flowgrpo.num_steps, c.flowgrpo.cfg_scale = TEXT_LEN[family], 3, scale
+    c.flowgrpo.guidance_scale = guidance if family == "flux2-dev" else 0.0
     resolve_pipeline(c)
     model = load_transformers(c)["transformer"]
-    adapter = build_adapter(model, 8, True, 1, TEXT_LEN[family], image_width=16)
+    adapter = build_adapter(
+        model, 8, True, 1, TEXT_LEN[family], c.flowgrpo.guidance_scale, image_width=16, pipeline=c.model.pipeline
+    )
     schedule = run_schedule(c, adapter)
     encoder = build_text_encoder(c, torch.device("cpu"))
     width = model.config.cap_feat_dim if family == "zimage" else model.config.joint_attention_dim
@@ -204,7 +217,7 @@ def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
         ours = ode_step(x, v, sigmas[i], sigmas[i + 1])
         if i + 1 < schedule.num_steps:
             want = _latents_of(calls[per_step * (i + 1)], family)[:batch]
-        else:  # the pipeline's output: FLUX.2 returns the VAE's latents, Z-Image its own
+        else:  # the pipeline's output: FLUX.2 [klein] returns the VAE's latents, [dev] its tokens, Z-Image its own
             want = final
             ours = adapter.to_vae(pipe.vae, ours) if family == "flux2-klein" else ours
         if guided and family == "zimage":  # the guidance in another order: rounding only (6e-8 seen, latents ~40)
@@ -214,7 +227,7 @@ def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
 
 
 def test_text_encoders_match_encode_prompt(folders):
-    from diffusers import Flux2KleinPipeline, FluxPipeline, QwenImagePipeline
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, QwenImagePipeline
 
     from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder
 
@@ -250,6 +263,19 @@ def test_text_encoders_match_encode_prompt(folders):
     assert k.hidden_size == 3 * 16 == embeds.shape[-1] and text_ids.shape == (2, TEXT_LEN["flux2-klein"], 4)
     with pytest.warns(UserWarning, match=r"PipelineTextEncoder \(Flux2KleinPipeline\): the prompt .* tokens, more"):
         k.encode_batch(["a very long prompt " * 4])
+    # FLUX.2 [dev]: Mistral3's hidden states 10, 20 and 30 after the pipeline's system message
+    d = PipelineTextEncoder(str(folders["flux2-dev"]), TEXT_LEN["flux2-dev"])
+    got = d.encode_batch(PROMPTS)
+    with torch.no_grad():
+        pipe = Flux2Pipeline.from_pretrained(folders["flux2-dev"], transformer=None, vae=None)
+        embeds, text_ids = pipe.encode_prompt(PROMPTS, max_sequence_length=TEXT_LEN["flux2-dev"])
+    assert torch.equal(torch.stack(got["prompt_embeds"]), embeds) and all(m.all() for m in got["prompt_embeds_mask"])
+    assert d.hidden_size == 3 * 16 == embeds.shape[-1] and text_ids.shape == (2, TEXT_LEN["flux2-dev"], 4)
+    with pytest.warns(UserWarning, match=r"PipelineTextEncoder \(Flux2Pipeline\): the prompt .* 33 tokens, more"):
+        d.encode_batch(["x" * 28])  # 28 characters + 5 template tokens: one more than 32
+    with warnings.catch_warnings():  # exactly 32 tokens: no warning
+        warnings.simplefilter("error")
+        d.encode_batch(["x" * 27])
 
 
 def test_flux2_pixels_decode_and_encode_as_the_pipeline_does(folders):
@@ -315,6 +341,13 @@ def test_folder_checks(folders, tmp_path):
     c = TrainConfig()
     c.model.pipeline, c.flowgrpo.cfg_scale = str(distilled), 4.0
     with pytest.raises(ConfigError, match=r"flowgrpo\.cfg_scale=4 but .* step-distilled Flux2KleinPipeline .* fix: "):
+        resolve_pipeline(c)
+    c.flowgrpo.cfg_scale = 1.0
+    assert resolve_pipeline(c) == "flux2"
+    # FLUX.2 [dev] is guidance-distilled: its pipeline runs no CFG, so guided rollouts are refused too
+    c = TrainConfig()
+    c.model.pipeline, c.flowgrpo.cfg_scale = str(folders["flux2-dev"]), 2.0
+    with pytest.raises(ConfigError, match=r"flowgrpo\.cfg_scale=2 but .* Flux2Pipeline .* fix: flowgrpo\.cfg_scale=1 and"):
         resolve_pipeline(c)
     c.flowgrpo.cfg_scale = 1.0
     assert resolve_pipeline(c) == "flux2"
@@ -596,3 +629,43 @@ def test_hunyuanvideo15_guider_other_than_plain_cfg_is_refused(hv_folder, tmp_pa
         resolve_pipeline(c)
     c.flowgrpo.cfg_scale = 1.0
     assert resolve_pipeline(c) == "hunyuanvideo15"
+
+
+def test_flux2_dev_folder_with_mistrals_processor_reads_its_tokenizer_without_torchvision(folders, tmp_path, monkeypatch):
+    """A released FLUX.2 [dev] folder lists Mistral's ``PixtralProcessor`` as its ``tokenizer``, which transformers
+    builds only with torchvision (not in this environment's lock). The trainer's text encoder then reads the folder's
+    tokenizer and the processor's chat template alone: the same embeddings as the tiny folder's plain tokenizer. A
+    folder whose template is nowhere is refused with one line naming torchvision."""
+    import shutil
+
+    import transformers.utils
+
+    from sp_diffusers.families.processors import processor_tokenizer
+    from sp_diffusers.flowgrpo.models.text import PipelineTextEncoder
+
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
+    folder = tmp_path / "dev"
+    shutil.copytree(folders["flux2-dev"], folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "tokenizer": ["transformers", "PixtralProcessor"]}))
+    template = (folder / "tokenizer" / "chat_template.jinja").read_text()
+    (folder / "tokenizer" / "chat_template.jinja").unlink()  # the processor's template, in its JSON form
+    (folder / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert processor_tokenizer(folders["flux2-dev"]) is None  # a plain tokenizer: nothing to replace
+    assert processor_tokenizer(folder).chat_template == template
+    want = PipelineTextEncoder(str(folders["flux2-dev"]), TEXT_LEN["flux2-dev"]).encode_batch(PROMPTS)
+    got = PipelineTextEncoder(str(folder), TEXT_LEN["flux2-dev"]).encode_batch(PROMPTS)
+    assert all(torch.equal(g, w) for g, w in zip(got["prompt_embeds"], want["prompt_embeds"], strict=True))
+    # `sp-diffusers sample` reads it the same way: the same image as from the plain tokenizer's folder
+    from PIL import Image
+
+    from sp_diffusers.cli import main
+
+    args = ["--prompt", "a red cat", "--steps", "2", "--height", "16", "--width", "16", "--max-sequence-length", "32"]
+    for name, source in (("plain", folders["flux2-dev"]), ("processor", folder)):
+        assert main(["sample", "--pipeline", str(source), *args, "--out", str(tmp_path / f"{name}.png")]) == 0
+    plain, processor = (np.asarray(Image.open(tmp_path / f"{n}.png")) for n in ("plain", "processor"))
+    assert plain.std() > 0 and np.array_equal(plain, processor)
+    (folder / "tokenizer" / "chat_template.json").unlink()
+    with pytest.raises(ValueError, match=r"tokenizer: the PixtralProcessor needs torchvision, .* fix: pip install torchvision"):
+        processor_tokenizer(folder)

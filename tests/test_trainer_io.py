@@ -1,7 +1,7 @@
 """The trainer for real work, end to end at tiny size (the issue's done-when):
 
 a pipeline folder of each trained family (Qwen-Image, FLUX.1, SD3, Wan2.1, Wan2.2 with both experts, Z-Image,
-FLUX.2 [klein], HunyuanVideo-1.5, written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at
+FLUX.2 [klein] and [dev], HunyuanVideo-1.5, LTX-2, written with ``save_pretrained``) -> 3 iterations of ``sp-diffusers train`` at
 Ulysses SP = 2 with a file-path reward on pixels and a .jsonl dataset with eval (Qwen-Image: 2 iterations, then
 resumed to 3 mid-epoch)
 -> ``sp-diffusers export`` -> plain diffusers, in a process that never imports sp_diffusers, reloads the export and
@@ -30,7 +30,9 @@ from ._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = ROOT / "examples" / "rewards" / "simple_rewards.py"
-FAMILIES = ("qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein", "hunyuanvideo15", "ltx2")
+FAMILIES = (
+    "qwenimage", "flux", "sd3", "wan", "wan2.2", "zimage", "flux2-klein", "flux2-dev", "hunyuanvideo15", "ltx2"
+)
 ROWS = [
     {"prompt": "a red cat", "color": "red"},
     {"prompt": "a green house", "color": "green"},
@@ -158,6 +160,7 @@ def test_plain_diffusers_reproduces_the_trained_model(exported, trained, family)
         "sd3": "StableDiffusion3Pipeline",
         "zimage": "ZImagePipeline",
         "flux2-klein": "Flux2KleinPipeline",
+        "flux2-dev": "Flux2Pipeline",
         "hunyuanvideo15": "HunyuanVideo15Pipeline",
         "ltx2": "LTX2Pipeline",
     }

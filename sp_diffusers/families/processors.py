@@ -6,6 +6,10 @@ imports torchvision. An edit prompt never holds a video, so without torchvision 
 torchvision wheel) the processor is assembled from its folder's tokenizer and image processor, with no video
 processor: ``__call__(text=..., images=...)`` is unchanged (``tests/test_pipeline_io.py`` holds the edit pipelines'
 prompt embeddings equal). With torchvision installed, transformers' own ``from_pretrained`` is used.
+
+FLUX.2 [dev]'s ``tokenizer`` is Mistral's ``PixtralProcessor``, which transformers builds only with torchvision too.
+A text prompt needs only its tokenizer and chat template: without torchvision, :func:`processor_tokenizer` loads
+those from the same folder and the pipeline is handed them in the processor's place.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_qwen_vl_processor", "qwen_vl_processor", "save_qwen_vl_processor"]
+__all__ = ["load_qwen_vl_processor", "processor_tokenizer", "qwen_vl_processor", "save_qwen_vl_processor"]
 
 
 def qwen_vl_processor(image_processor: Any, tokenizer: Any) -> Any:
@@ -72,3 +76,32 @@ def load_qwen_vl_processor(folder: str | Path) -> Any:
     return qwen_vl_processor(
         Qwen2VLImageProcessorPil.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     )
+
+
+def processor_tokenizer(pipeline: str | Path, component: str = "tokenizer") -> Any | None:
+    """The tokenizer to put in the processor's place where ``model_index.json`` lists a processor as ``component``
+    (FLUX.2 [dev]: ``PixtralProcessor``) and transformers cannot build it (no torchvision): the folder's tokenizer
+    with the processor's chat template. None where the folder loads as it is. diffusers checks a passed component
+    against the class the index lists, which it cannot import here, so load the pipeline with ``component=None`` and
+    set this tokenizer on it afterwards."""
+    from transformers import AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    entry = json.loads((Path(pipeline) / "model_index.json").read_text()).get(component)
+    if is_torchvision_available() or not (isinstance(entry, list) and str(entry[1]).endswith("Processor")):
+        return None
+    folder = Path(pipeline) / component
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.chat_template is None:  # a processor may keep its template beside the tokenizer's files
+        for name in ("chat_template.jinja", "chat_template.json"):
+            path = folder / name
+            if path.is_file():
+                text = path.read_text()
+                tokenizer.chat_template = json.loads(text)["chat_template"] if name.endswith(".json") else text
+                break
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"{folder}: the {entry[1]} needs torchvision, and its tokenizer alone has no chat template; fix: pip "
+            "install torchvision (the build matching torch: torch's own index for a CPU torch)"
+        )
+    return tokenizer

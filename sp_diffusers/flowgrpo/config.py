@@ -288,7 +288,9 @@ class FlowGRPOConfig:
     ema_interval: int = 8
     drop_zero_advantage: bool = True  # train only samples with a non-zero advantage, as flow_grpo does
     cfg_scale: float = 1.0  # > 1: classifier-free guidance with the empty prompt
-    guidance_scale: float = 3.5  # FLUX.1-dev's embedded guidance (FluxPipeline's default); models without one ignore it
+    # FLUX.1-dev's and FLUX.2 [dev]'s embedded guidance; 0: the pipeline's default (FluxPipeline 3.5, Flux2Pipeline 4);
+    # models without a guidance embedding ignore it
+    guidance_scale: float = 0.0
     reward: str = "color"  # the built-in reward when `rewards` is empty: color, video_color, mean_latent
     # rewards you bring: [{fn: "pkg.module:callable" | "path/file.py:callable", weight, input: pixels | latents,
     # kwargs, name}]; the total is the weighted sum (reward_loading.py)

@@ -18,6 +18,7 @@ from .text_parts import (
     char_tokenizer,
     chat_tokenizer,
     flux_parts,
+    mistral_chat_tokenizer,
     save_pipeline,
     tiny_autoencoder_kl,
     tiny_clip_text,
@@ -28,6 +29,7 @@ from .text_parts import (
     tiny_ltx2_connectors,
     tiny_ltx2_vae,
     tiny_ltx2_vocoder,
+    tiny_mistral3,
     tiny_qwen3,
     tiny_qwen25vl,
     tiny_qwen25vl_text,
@@ -41,6 +43,7 @@ __all__ = [
     "LTX2_MAX_SEQUENCE_LENGTH",
     "PIPELINE_WRITERS",
     "WAN_SCHEDULER_CONFIG",
+    "save_tiny_flux2_dev_pipeline",
     "save_tiny_flux2_klein_pipeline",
     "save_tiny_flux_pipeline",
     "save_tiny_hunyuanvideo15_pipeline",
@@ -207,6 +210,41 @@ def save_tiny_flux2_klein_pipeline(
     return save_pipeline(pipe, folder)
 
 
+def save_tiny_flux2_dev_pipeline(
+    folder: str | os.PathLike, seed: int = 0, text_hidden: int = 16, **transformer_overrides: Any
+) -> Path:
+    """A tiny ``Flux2Pipeline`` shaped as FLUX.2 [dev]: the tiny ``Flux2Transformer2DModel`` with its guidance
+    embedding (guidance-distilled, as released: the pipeline passes ``guidance_scale`` as an input and runs no CFG),
+    ``in_channels`` = 4 x the VAE's latent channels, ``joint_attention_dim`` = 3 x the text width (the pipeline
+    stacks Mistral3's hidden states 10, 20 and 30: released 3 x 5120 = 15360); a 30-layer
+    ``Mistral3ForConditionalGeneration`` ``text_hidden`` wide with a character tokenizer and a Mistral-style chat
+    template (:func:`mistral_chat_tokenizer`; the released folder holds Mistral's processor, which needs
+    torchvision); FLUX.2's scheduler config."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    overrides: dict[str, Any] = {"guidance_embeds": True, "joint_attention_dim": 3 * text_hidden}
+    overrides.update(transformer_overrides)
+    transformer = tiny_model("flux2", seed=seed, **overrides)
+    cfg = transformer.config
+    if cfg.in_channels % 4 or cfg.joint_attention_dim != 3 * text_hidden or not cfg.guidance_embeds:
+        raise ValueError(
+            f"save_tiny_flux2_dev_pipeline: in_channels={cfg.in_channels} must be 4 x the VAE's latent channels, "
+            f"joint_attention_dim={cfg.joint_attention_dim} 3 x text_hidden={text_hidden} (three stacked Mistral3 "
+            f"layers) and guidance_embeds={cfg.guidance_embeds} true (FLUX.2 [dev] is guidance-distilled); fix: "
+            "in_channels a multiple of 4, joint_attention_dim and guidance_embeds left out"
+        )
+    tokenizer = mistral_chat_tokenizer(1024, SYSTEM_MESSAGE)
+    pipe = Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_kwargs("flux2")),
+        vae=tiny_flux2_vae(seed + 2, cfg.in_channels // 4),
+        text_encoder=tiny_mistral3(seed + 1, len(tokenizer), text_hidden),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    return save_pipeline(pipe, folder)
+
+
 def save_tiny_hunyuanvideo15_pipeline(
     folder: str | os.PathLike, seed: int = 0, guidance_scale: float = 6.0, **transformer_overrides: Any
 ) -> Path:
@@ -308,6 +346,7 @@ PIPELINE_WRITERS = {
     "wan": save_tiny_wan_pipeline,
     "zimage": save_tiny_zimage_pipeline,
     "flux2-klein": save_tiny_flux2_klein_pipeline,
+    "flux2-dev": save_tiny_flux2_dev_pipeline,
     "hunyuanvideo15": save_tiny_hunyuanvideo15_pipeline,
     "ltx2": save_tiny_ltx2_pipeline,
 }

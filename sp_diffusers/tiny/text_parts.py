@@ -19,6 +19,7 @@ __all__ = [
     "char_tokenizer",
     "chat_tokenizer",
     "flux_parts",
+    "mistral_chat_tokenizer",
     "require_weights",
     "save_pipeline",
     "save_tiny_clip",
@@ -31,6 +32,7 @@ __all__ = [
     "tiny_ltx2_connectors",
     "tiny_ltx2_vae",
     "tiny_ltx2_vocoder",
+    "tiny_mistral3",
     "tiny_qwen3",
     "tiny_qwen25vl",
     "tiny_qwen25vl_text",
@@ -116,6 +118,60 @@ def chat_tokenizer(max_length: int) -> Any:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+# A Mistral-style chat template of our own over content lists (what FLUX.2 [dev]'s pipeline renders: a system turn,
+# then the user's text, ``add_generation_prompt=False``); its markers and FLUX.2's system message are one token each.
+MISTRAL_TEMPLATE = (
+    "{%- for message in messages -%}{%- for part in message['content'] -%}"
+    "{%- if message['role'] == 'system' -%}{{ '[SYSTEM_PROMPT]' + part['text'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- else -%}{{ '[INST]' + part['text'] + '[/INST]' }}{%- endif -%}"
+    "{%- endfor -%}{%- endfor -%}"
+)
+
+
+def mistral_chat_tokenizer(max_length: int, system_message: str) -> Any:
+    """A character tokenizer (as :func:`chat_tokenizer`) with :data:`MISTRAL_TEMPLATE`: its four markers and
+    ``system_message`` (FLUX.2's ~170 characters) are added tokens, so a templated prompt is a few tokens more than
+    the prompt's characters. FLUX.2 [dev] reads it where the released folder holds Mistral's processor (the tokenizer
+    is all a text prompt needs, and the processor needs torchvision)."""
+    tokenizer = chat_tokenizer(max_length)
+    markers = ["[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]"]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*markers, system_message]})
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    return tokenizer
+
+
+def tiny_mistral3(seed: int, vocab: int, hidden: int = 16, layers: int = 30, max_positions: int = 1024) -> Any:
+    """``Mistral3ForConditionalGeneration`` (FLUX.2 [dev]'s text encoder, released: Mistral-Small-3.2-24B) with a
+    ``layers``-layer Mistral text model ``hidden`` wide and a one-layer Pixtral vision tower (the class needs one;
+    a text prompt never reaches it). The pipeline stacks ``hidden_states`` 10, 20 and 30: with 30 layers the last is
+    the final layer's output (the released model has 40)."""
+    from transformers import (
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralVisionConfig,
+    )
+
+    vision = PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=32
+    )
+    text = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden // 2,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=3, spatial_merge_size=1)
+    return _seeded(seed, lambda: Mistral3ForConditionalGeneration(config)).eval()
 
 
 def _seeded(seed: int, build):

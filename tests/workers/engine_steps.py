@@ -57,10 +57,12 @@ def _config(
         # chat template (each caption's valid tokens), its scheduler config; 6 heads: Ulysses 2 and 3 divide them
         c.model.kind, c.model.pretrained = "zimage", f"{pipeline}/transformer"
         c.text.pipeline, c.text.max_sequence_length = pipeline, 64
-    if kind == "flux2_klein_pipeline":
+    if kind in ("flux2_klein_pipeline", "flux2_dev_pipeline"):
         # a real Flux2KleinPipeline folder: transformer from_pretrained (packed 2 x 2 tokens, batched 4-axis ids, no
         # guidance embedding), prompts through its chat template and Qwen3's stacked layers 9 / 18 / 27 (64 rows, all
-        # attended), its scheduler config and compute_empirical_mu; 6 heads: Ulysses 2 and 3 divide them
+        # attended), its scheduler config and compute_empirical_mu; 6 heads: Ulysses 2 and 3 divide them. A
+        # Flux2Pipeline ([dev]) folder: Mistral3's layers 10 / 20 / 30 after its system message, and the guidance
+        # embedding's input (the pipeline's default 4)
         c.model.kind, c.model.pretrained = "flux2", f"{pipeline}/transformer"
         c.text.pipeline, c.text.max_sequence_length = pipeline, 64
     if kind == "hunyuanvideo15_pipeline":

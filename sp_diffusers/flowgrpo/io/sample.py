@@ -203,11 +203,16 @@ def render(
         _join(ulysses)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     extra: dict[str, Any] = {}
-    if (pipeline / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
-        from ...families.processors import load_qwen_vl_processor
+    from ...families.processors import load_qwen_vl_processor, processor_tokenizer
 
+    if (pipeline / "processor").is_dir():  # Qwen-Image-Edit: its processor without torchvision too
         extra["processor"] = load_qwen_vl_processor(pipeline / "processor")
+    tokenizer = processor_tokenizer(pipeline)  # FLUX.2 [dev]: Mistral's processor needs torchvision
+    if tokenizer is not None:
+        extra["tokenizer"] = None
     pipe = from_pretrained(diffusers.DiffusionPipeline, pipeline, torch_dtype=torch_dtype, **extra)
+    if tokenizer is not None:
+        pipe.tokenizer = tokenizer
     for file, into_2 in ((lora, False), (lora_2, True)):
         if file:
             path = Path(file)

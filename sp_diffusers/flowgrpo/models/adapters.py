@@ -32,6 +32,7 @@ __all__ = [
     "WanAdapter",
     "ZImageAdapter",
     "build_adapter",
+    "embedded_guidance",
 ]
 
 
@@ -126,13 +127,38 @@ class WanAdapter(VideoLatents):
         )
 
 
+# the pipeline that runs a guidance-distilled transformer where no model.pipeline folder names one
+_GUIDED_PIPELINES = {"FluxTransformer2DModel": "FluxPipeline", "Flux2Transformer2DModel": "Flux2Pipeline"}
+
+
+def embedded_guidance(model_name: str, guidance_scale: float, pipeline: str = "") -> float:
+    """``flowgrpo.guidance_scale`` for a guidance embedding; 0: the ``guidance_scale`` default of the pipeline that
+    runs the model (``pipeline``'s class, else FluxPipeline / Flux2Pipeline), so a run trains the guidance a user
+    samples with: 3.5 for FLUX.1-dev, 4 for FLUX.2 [dev]."""
+    import inspect
+
+    import diffusers
+
+    if guidance_scale > 0:
+        return guidance_scale
+    if guidance_scale < 0:
+        raise ValueError(f"flowgrpo.guidance_scale={guidance_scale:g}: > 0, or 0 for the pipeline's own default")
+    name = _GUIDED_PIPELINES.get(model_name, "FluxPipeline")
+    if pipeline:
+        from .folder_checks import read_index
+
+        name = read_index(pipeline).get("_class_name", name)
+    call = getattr(diffusers, name).__call__
+    return float(inspect.signature(call).parameters["guidance_scale"].default)
+
+
 def build_adapter(
     model: torch.nn.Module,
     image_size: int,
     pooled_from_encoder: bool = False,
     frames: int = 1,
     text_len: int = 512,
-    guidance_scale: float = 3.5,
+    guidance_scale: float = 0.0,
     image_width: int = 0,
     audio_frames: int = 0,
     frame_rate: float = 24.0,
@@ -151,7 +177,7 @@ def build_adapter(
     patching), ``frames`` latent frames for video; ``pooled_from_encoder``: the text encoder supplies SD3's pooled
     projection input itself; ``text_len``: the text length a Wan, FLUX.1 or FLUX.2 pipeline pads prompts to
     (``text.max_sequence_length``); ``guidance_scale``: FLUX.1-dev's and FLUX.2 [dev]'s embedded guidance
-    (``flowgrpo.guidance_scale``); LTX-2: ``audio_frames`` latent audio frames (0: as ``pipeline``'s ``__call__`` gives
+    (``flowgrpo.guidance_scale``; 0: :func:`embedded_guidance`'s pipeline default); LTX-2: ``audio_frames`` latent audio frames (0: as ``pipeline``'s ``__call__`` gives
     ``frames`` at ``frame_rate``), ``frame_rate`` the video's (its positions are conditioned on it)."""
     from ...families.kinds import class_name
     from ...patching.compat import diffusers_version
@@ -179,10 +205,11 @@ def build_adapter(
         )
     if name == "FluxTransformer2DModel":
         check(2, 2)  # FluxPipeline packs 2 x 2 latents into one token
-        return flux_adapter(model, h, w, pooled_from_encoder, text_len, guidance_scale)
+        guidance = embedded_guidance(name, guidance_scale, pipeline)
+        return flux_adapter(model, h, w, pooled_from_encoder, text_len, guidance)
     if name == "Flux2Transformer2DModel":
         check(2, 2)  # the FLUX.2 pipelines pack 2 x 2 latents into one token
-        return flux2_adapter(model, h, w, text_len, guidance_scale)
+        return flux2_adapter(model, h, w, text_len, embedded_guidance(name, guidance_scale, pipeline))
     if name == "SD3Transformer2DModel":
         check(config.patch_size, config.patch_size)
         if not pooled_from_encoder and config.joint_attention_dim != config.pooled_projection_dim:

@@ -42,6 +42,7 @@ PIPELINE_FAMILIES = {
     "WanPipeline": "wan",
     "ZImagePipeline": "zimage",
     "Flux2KleinPipeline": "flux2",
+    "Flux2Pipeline": "flux2",
     "HunyuanVideo15Pipeline": "hunyuanvideo15",
     "LTX2Pipeline": "ltx2",
     "QwenImageEditPipeline": "qwenimage",
@@ -106,7 +107,9 @@ def _pipeline_family(config: TrainConfig) -> tuple[str, dict[str, Any]]:
     _check_distilled(config, name, index)
     _check_guider(config, name)
     if c.kind and c.kind != family:
-        wanted = next((p for p, k in PIPELINE_FAMILIES.items() if k == c.kind), f"{KINDS.get(c.kind, c.kind)} pipeline")
+        # the text-to-image/video pipelines of model.kind's family (FLUX.2: [klein]'s and [dev]'s)
+        plain = [p for p, k in PIPELINE_FAMILIES.items() if k == c.kind and p not in PIPELINE_CONDITIONS]
+        wanted = " or ".join(plain) or f"{KINDS.get(c.kind, c.kind)} pipeline"
         raise _mismatch(c.kind, "model.pipeline", c.pipeline, f"a {name} folder", family, f"a {wanted} folder")
     if not present(index, "transformer"):
         raise ConfigError(f"model.pipeline={c.pipeline!r} has no transformer (model_index.json: transformer is null)")
@@ -121,9 +124,16 @@ def _pipeline_family(config: TrainConfig) -> tuple[str, dict[str, Any]]:
 
 def _check_distilled(config: TrainConfig, name: str, index: dict[str, Any]) -> None:
     """A step-distilled FLUX.2 [klein] (``is_distilled`` in its pipeline config) samples without classifier-free
-    guidance at any ``guidance_scale``: a run that guides its rollouts would train a policy the pipeline never
-    samples."""
+    guidance at any ``guidance_scale``, and FLUX.2 [dev] (guidance-distilled) embeds it: a run that guides its
+    rollouts would train a policy the pipeline never samples."""
     g = config.flowgrpo.cfg_scale
+    if name == "Flux2Pipeline" and g > 1.0:
+        raise ConfigError(
+            f"flowgrpo.cfg_scale={g:g} but model.pipeline={config.model.pipeline!r} is a Flux2Pipeline (FLUX.2 [dev], "
+            "guidance-distilled): its pipeline runs no classifier-free guidance and hands guidance_scale to the "
+            "transformer's guidance embedding instead; fix: flowgrpo.cfg_scale=1 and flowgrpo.guidance_scale=<g> "
+            "(the pipeline's guidance_scale: 4 by default)"
+        )
     if index.get("is_distilled") and g > 1.0:
         raise ConfigError(
             f"flowgrpo.cfg_scale={g:g} but model.pipeline={config.model.pipeline!r} is a step-distilled {name} "

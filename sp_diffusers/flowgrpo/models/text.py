@@ -169,6 +169,8 @@ class PipelineTextEncoder:
     (ragged, with a mask: the adapter cuts the rows back to it). ``Flux2KleinPipeline``: Qwen3's hidden states 9, 18
     and 27 of the chat-templated prompt (``enable_thinking=False``) padded to ``max_sequence_length``, stacked per
     token (3 x the encoder's width); its transformer attends to every row, padding included (masks all True).
+    ``Flux2Pipeline`` (FLUX.2 [dev]): the same with Mistral3's hidden states 10, 20 and 30 of the prompt after the
+    pipeline's system message (Mistral's processor needs torchvision: without it, its tokenizer is read alone).
     ``HunyuanVideo15Pipeline``: two streams, each prompt's valid rows with a mask (its transformer masks the rest):
     Qwen2.5-VL's third-to-last hidden states of the system-templated prompt (``prompt_embeds``, up to the pipeline's
     1000 tokens) and the byT5 states of the prompt's quoted text (``prompt_embeds_2``, up to 256; a prompt without
@@ -196,6 +198,7 @@ class PipelineTextEncoder:
         "FluxPipeline",
         "ZImagePipeline",
         "Flux2KleinPipeline",
+        "Flux2Pipeline",
         "HunyuanVideo15Pipeline",
         "LTX2Pipeline",
         *CONDITIONED,
@@ -245,7 +248,14 @@ class PipelineTextEncoder:
                 from ...families.processors import load_qwen_vl_processor
 
                 kwargs["processor"] = load_qwen_vl_processor(Path(path) / "processor")
+            from ...families.processors import processor_tokenizer
+
+            tokenizer = processor_tokenizer(path)  # FLUX.2 [dev]: Mistral's processor needs torchvision
+            if tokenizer is not None:
+                kwargs["tokenizer"] = None
             self.pipe = DiffusionPipeline.from_pretrained(path, transformer=None, **kwargs)
+            if tokenizer is not None:
+                self.pipe.tokenizer = tokenizer
         self.pipe.set_progress_bar_config(disable=True)
         if name == "HunyuanVideo15Pipeline":
             self.pipe.vae = None  # encode_prompt does not read it
@@ -270,7 +280,7 @@ class PipelineTextEncoder:
         if self.text_family in ("QwenImagePipeline", "ZImagePipeline", "HunyuanVideo15Pipeline"):
             config = self.pipe.text_encoder.config
             return int(getattr(config, "text_config", config).hidden_size)
-        if self.text_family == "Flux2KleinPipeline":  # the stacked layers' widths side by side
+        if self.text_family in ("Flux2KleinPipeline", "Flux2Pipeline"):  # the stacked layers' widths side by side
             config = self.pipe.text_encoder.config
             return len(self._flux2_layers()) * int(getattr(config, "text_config", config).hidden_size)
         if self.text_family == "LTX2Pipeline":  # the connectors' video stream
@@ -321,7 +331,7 @@ class PipelineTextEncoder:
                 f"{prefix}prompt_embeds": embeds,
                 f"{prefix}prompt_embeds_mask": [torch.ones(e.shape[0], dtype=torch.bool) for e in embeds],
             }
-        if self.text_family == "Flux2KleinPipeline":
+        if self.text_family in ("Flux2KleinPipeline", "Flux2Pipeline"):
             return self._dense(prefix, self._flux2(prompts))
         if self.text_family == "HunyuanVideo15Pipeline":
             return self._hunyuan15(prompts, prefix)
@@ -427,24 +437,33 @@ class PipelineTextEncoder:
 
     def _flux2_layers(self) -> tuple[int, ...]:
         """The text-encoder layers ``encode_prompt`` stacks by default (its ``text_encoder_out_layers``; [klein]:
-        9, 18, 27), as ``__call__`` passes them."""
+        9, 18, 27; [dev]: 10, 20, 30), as ``__call__`` passes them."""
         import inspect
 
         return tuple(inspect.signature(self.pipe.encode_prompt).parameters["text_encoder_out_layers"].default)
 
     def _flux2(self, prompts: list[str]) -> torch.Tensor:
-        """FLUX.2 [klein]'s ``encode_prompt``: ``[B, max_sequence_length, 3 D]``, every row as the pipeline gives its
-        transformer (padding rows included). A prompt whose chat template is cut at ``max_sequence_length``: said
-        once (the pipeline cuts it without a word)."""
+        """FLUX.2's ``encode_prompt`` ([klein]: Qwen3, [dev]: Mistral3 after its system message):
+        ``[B, max_sequence_length, 3 D]``, every row as the pipeline gives its transformer (padding rows included). A
+        prompt whose chat template is cut at ``max_sequence_length``: said once (the pipeline cuts it without a
+        word)."""
         embeds, _ = self.pipe.encode_prompt(
             prompt=list(prompts), device=self.device, max_sequence_length=self.max_sequence_length
         )
         for prompt in prompts:
-            messages = [{"role": "user", "content": prompt}]
-            text = self.pipe.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
-            )
-            n = len(self.pipe.tokenizer(text).input_ids)
+            if self.text_family == "Flux2Pipeline":  # as _get_mistral_3_small_prompt_embeds renders it
+                from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+                messages = format_input([prompt], system_message=self.pipe.system_message)[0]
+                text = self.pipe.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+                special = False  # the template writes Mistral's BOS itself
+            else:
+                messages = [{"role": "user", "content": prompt}]
+                text = self.pipe.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+                )
+                special = True
+            n = len(self.pipe.tokenizer(text, add_special_tokens=special).input_ids)
             if n > self.max_sequence_length:
                 warn_truncated(
                     f"PipelineTextEncoder ({self.pipeline_class})",
