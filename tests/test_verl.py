@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -210,6 +211,17 @@ def test_registry_lookup_and_idempotent_registration():
         assert len(report["sp_diffusers_diffusion"]) == 6 and len(report["diffusion_model"]) == 6
     assert "already registed" in r["raw_duplicate"]  # what verl does on a plain duplicate
     assert (r["device"], r["backend"], r["dist_backend"]) == ("cpu", "gloo", "gloo")
+
+
+@needs_verl
+def test_a_model_with_several_outputs_needs_the_engine_loss_form():
+    """LTX-2's transformer returns (video, audio): verl's keyword loss form, which hands the loss one model_pred
+    tensor, refuses it naming the fix; an engine_loss reads both outputs and the step runs (a finite loss)."""
+    r = _registry()["multi_output"]
+    assert r["refused"] is not None and "LTX2VideoTransformer3DModel returns 2 outputs (tuple)" in r["refused"]
+    assert "fix: a loss fn(engine, batch)" in r["refused"] and "engine_loss" in r["refused"]
+    assert len(r["loss"]) == 1 and math.isfinite(r["loss"][0]) and r["loss"][0] > 0
+    assert r["metrics"]["video_numel"][0] > 0 and r["metrics"]["audio_numel"][0] > 0
 
 
 @needs_verl

@@ -13,7 +13,8 @@ entry, else the engine config's, else one); each micro-batch loss is weighted by
 batch, so the gradient is that of the local-batch mean and, through FSDP, the mean over data parallelism.
 
 **Loss functions**: verl's keyword form ``loss_function(model_output={"model_pred": [B, L, C]}, data=batch,
-dp_group=group) -> (loss, metrics)`` (one transformer call per micro-batch), or any sp-diffusers loss
+dp_group=group) -> (loss, metrics)`` (one transformer call per micro-batch; a model with several outputs, Z-Image's
+per-sample list or LTX-2's video and audio, is refused there), or any sp-diffusers loss
 ``fn(engine, batch) -> (loss, metrics)`` wrapped with ``engine_loss(fn)`` (several calls: FlowGRPO window
 steps, CFG, a KL reference with adapters off).
 """
@@ -327,7 +328,15 @@ class SPDiffusersEngine(BaseEngine):
             def loss_fn(eng: FSDPEngine, b: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
                 if own_form:
                     return loss_function(eng, b)
-                model_output = {"model_pred": eng.forward(**self._model_inputs(b))}
+                pred = eng.forward(**self._model_inputs(b))
+                if not torch.is_tensor(pred):  # Z-Image's per-sample list, LTX-2's (video, audio)
+                    raise ValueError(
+                        f"{type(eng.model).__name__} returns {len(pred)} outputs ({type(pred).__name__}), and verl's "
+                        "keyword loss form takes one model_pred tensor; fix: a loss fn(engine, batch) -> (loss, "
+                        "metrics) wrapped with sp_diffusers.integrations.verl.engine_loss, which calls the model "
+                        "and reads each output itself"
+                    )
+                model_output = {"model_pred": pred}
                 if keep_output:
                     for key, value in model_output.items():
                         outputs.setdefault(key, []).append(value.detach())
