@@ -81,6 +81,44 @@ def test_the_planner_predicts_the_counted_ledger_to_the_byte(case):
     assert {"param_gather", "grad_reduce", "activation", "agreement"} <= kinds  # every kind is held, not a few
 
 
+@pytest.fixture(scope="module")
+def edit_folder(tmp_path_factory):
+    from sp_diffusers.tiny import save_tiny_pipeline
+
+    # written once, before the ranks start (a save_pretrained on rank 1 writes no weights: tests/test_engine.py)
+    return str(save_tiny_pipeline("qwenimage-edit", tmp_path_factory.mktemp("edit"), num_layers=2))
+
+
+def test_the_planner_predicts_a_conditioned_iteration_to_the_byte(edit_folder):
+    """An edit family: a real QwenImageEditPipeline folder, its prompts read with their image (ragged text), the
+    condition image's tokens after the noisy ones at the output's size, CFG in one forward. The planner's
+    conditioned workload (``ModelSpec.condition = "edit"``, ``Workload.condition_tokens``) predicts the counted
+    model phases exactly, as for the text-to-image families."""
+    import json
+    from pathlib import Path
+
+    from sp_diffusers.planner.iteration import RLKnobs
+    from sp_diffusers.planner.ledger_prediction import predict_iteration_ledger
+    from sp_diffusers.planner.models import FAMILIES, ModelSpec
+    from sp_diffusers.planner.shapes import Workload
+
+    rows = str(Path(__file__).resolve().parent.parent / "examples" / "data" / "edit_train.jsonl")
+    runs = {"edit-sp2-cfg": {"num_steps": STEPS, "cfg_scale": 4.0, "window_range": [1, 2]}}
+    counted = run_distributed("tests.workers.iteration_checks:conditioned_ledgers", 2, 2, edit_folder, rows, runs)[0]
+    counted = counted["edit-sp2-cfg"]
+    assert counted["condition_tokens"] == counted["noisy_tokens"] == 16  # 64 x 64 px, 8x VAE, 2 x 2 patches
+    config = {k: v for k, v in json.loads(Path(edit_folder, "transformer", "config.json").read_text()).items()
+              if not k.startswith("_")}
+    spec = ModelSpec("tiny-qwen-image-edit", "qwenimage", config, FAMILIES["qwenimage"], condition="edit")
+    rl = RLKnobs(STEPS, True, WINDOW, GROUP, PROMPTS, "always", "never")
+    work = Workload(MICRO, (1, 4, 4), counted["text_len"], condition_tokens=counted["condition_tokens"])
+    ledger = predict_iteration_ledger(spec, work, 2, 2, rl, held=True)
+    predicted = {f"{phase}/{k}": v for (phase, k), v in ledger.items()}
+    mine = {k: tuple(v) for k, v in counted["steady"].items() if k.split("/")[0] in MODEL_PHASES}
+    assert predicted == mine
+    assert {"param_gather", "grad_reduce", "activation"} <= {k.split("/")[1] for k in mine}
+
+
 def test_an_uneven_text_length_is_learned_once():
     """The first iteration learns the uneven layouts (small agreement gathers in the rollout); the second has none,
     and otherwise both iterations move the same."""

@@ -213,3 +213,32 @@ def ema_run(rank: int, world: int, out_dir: str) -> dict:
     resumed = _trainer(config())
     resumed.run()  # nothing left to train: it loads the checkpoint and stops
     return {"first": state(first), "resumed": state(resumed)}
+
+
+def conditioned_ledgers(rank: int, world: int, sp: int, folder: str, rows: str, runs: dict[str, dict]) -> dict:
+    """``iteration_ledgers`` for an edit family: a real QwenImageEditPipeline folder (written by the parent), rows
+    with a source image each, the condition image at the output's size (its tokens after the noisy ones)."""
+    from sp_diffusers.parallel.ledger import CommLedger
+
+    _quiet()
+    out: dict = {}
+    for name, settings in runs.items():
+        c = _config(sp, False, **settings)
+        c.model.kind, c.model.pipeline, c.model.overrides = "", folder, {}
+        c.model.condition_area = 64 * 64  # the output's 64 x 64 pixels (latent 8 x 8, the tiny VAE's 8x)
+        c.data.train, c.flowgrpo.drop_zero_advantage = rows, False
+        trainer = _trainer(c)
+        ledger = CommLedger()
+        with ledger.recording():
+            trainer.train_iteration(0)
+            ledger.take()
+            trainer.train_iteration(0)  # the steady state (a new text length's layouts are learned once)
+        batch = trainer.iteration_batch(0).prepared(trainer.engine)
+        text = [batch.cond[k].shape[1] for k in ("prompt_embeds", "negative_prompt_embeds") if k in batch.cond]
+        out[name] = {
+            "steady": {f"{p}/{k}": v for (p, k), v in ledger.take().items()},
+            "text_len": max(text),
+            "condition_tokens": batch.cond["condition_latents"].shape[1],
+            "noisy_tokens": trainer.adapter.tokens,
+        }
+    return out
