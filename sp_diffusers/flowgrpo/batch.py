@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..parallel.devices import to_device
 
-__all__ = ["IterationBatch", "StepPlan"]
+__all__ = ["IterationBatch", "StepPlan", "agreed_count_groups"]
 
 
 @dataclass
@@ -66,11 +67,12 @@ class IterationBatch:
     def cond_of(self, index: torch.Tensor | slice | None = None) -> dict[str, Any]:
         """The conditioning of samples ``index`` (all: ``cond`` itself): a slice, or host indices (a CPU tensor, as
         the update's micro-batches are), which reach each tensor's device once (queued, no host sync); a host list
-        (Z-Image's ``*_lengths``) is indexed on the host."""
+        (Z-Image's ``*_lengths``, a multi-image edit's ``condition_counts``) is indexed on the host; a tuple is the
+        whole batch's (``condition_groups``: every rank's counts) and kept as it is."""
         if index is None:
             return dict(self.cond)
         if isinstance(index, slice):
-            return {k: v[index] for k, v in self.cond.items()}
+            return {k: v if isinstance(v, tuple) else v[index] for k, v in self.cond.items()}
         lists = [k for k, v in self.cond.items() if isinstance(v, list)]
         if lists and index.device.type != "cpu":
             raise ValueError(
@@ -81,7 +83,9 @@ class IterationBatch:
         placed: dict[torch.device, torch.Tensor] = {}
         out: dict[str, Any] = {}
         for key, value in self.cond.items():
-            if isinstance(value, list):
+            if isinstance(value, tuple):
+                out[key] = value
+            elif isinstance(value, list):
                 out[key] = [value[i] for i in host]
             else:
                 if value.device not in placed:
@@ -97,7 +101,7 @@ class IterationBatch:
             tensors["source_pixels"] = self.source_pixels
         if self.plan.train_steps is not None:
             tensors["train_steps"] = self.plan.train_steps
-        out = engine.prepare_batch(tensors)
+        out = agreed_count_groups(engine.prepare_batch(tensors), engine)
         plan = replace(self.plan, train_steps=out.pop("train_steps", None))
         return replace(
             self,
@@ -107,3 +111,21 @@ class IterationBatch:
             plan=plan,
             cond=out,
         )
+
+
+def agreed_count_groups(cond: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """``cond`` with ``condition_groups``: the sorted condition-image counts of the rows of every rank's batch (one
+    host all-gather over the engine's control group: gloo, no device sync), where ``cond`` carries
+    ``condition_counts``. ``sampling/denoise.velocity`` runs one forward per count of these groups on every rank (a
+    stand-in row where a rank's batch has none of that count): FSDP gathers the parameters over every rank in each
+    forward, so every rank must run as many as its peers, in the same order."""
+    counts = cond.get("condition_counts")
+    if counts is None:
+        return cond
+    mine = sorted(set(counts))
+    group = engine.control_group  # an FSDPEngine's (editing families train one transformer)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        mine = sorted({c for part in every for c in part})
+    return {**cond, "condition_groups": tuple(mine)}

@@ -24,7 +24,9 @@ import torch
 
 from ...engine.protocols import TrainingEngine
 from ...parallel.ledger import comm_phase
+from ..batch import agreed_count_groups
 from ..models.conditioning import PromptEncoder
+from ..models.prompt_cache import cat_padded
 from ..rewards.scoring import Scorer
 from ..sampling.denoise import Sampler, denoise
 from .data import PromptRow
@@ -89,7 +91,7 @@ class Evaluator:
                 for lo in range(0, len(rows), size)
             ]
         sources = [p[1] for p in parts if p[1] is not None]
-        return torch.cat([p[0] for p in parts]), (torch.cat(sources) if sources else None)
+        return torch.cat([p[0] for p in parts]), (cat_padded(sources) if sources else None)
 
     def _render_part(
         self, rows: list[PromptRow], indices: list[int], hold: Callable[[Any], Any]
@@ -99,7 +101,7 @@ class Evaluator:
         tensors = {**cond, "latents": torch.cat([self.noise(i) for i in indices])}
         if sources is not None:
             tensors["source_pixels"] = sources
-        tensors = self.engine.prepare_batch(tensors)
+        tensors = agreed_count_groups(self.engine.prepare_batch(tensors), self.engine)
         noise, sources = tensors.pop("latents"), tensors.pop("source_pixels", None)
         with self.engine.eval_mode(), comm_phase("eval"):
             sampler = Sampler(self.engine, self.adapter, self.schedule, g.cfg_scale, self.config.rollout.cfg_batch, hold)

@@ -15,6 +15,11 @@ The batch carries ``condition_*`` tensors beside the text (the engine broadcasts
 ``sampling/guidance.paired`` repeats them for the unconditional branch) and ``source_pixels`` ``[B, N, 3, H, W]``
 uint8: each row's images at the output size, which rewards read as ``metadata["source_image"]`` (``[3, H, W]`` float
 in [0, 1]) and ``metadata["source_images"]`` beside the row's own fields.
+
+Qwen-Image-Edit-Plus rows may carry different numbers of images (1 to 3) in one run: a batch's ``condition_latents``
+and ``source_pixels`` are zero-padded to its largest count, with ``condition_counts`` (host ints, one per row) beside
+them; ``sampling/denoise.velocity`` runs one forward per count (``batch.agreed_count_groups``: the counts of every
+rank's batch, so that FSDP's gathers pair up), and the adapter cuts each forward's condition tokens to its count.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..io.data import PromptRow
 from ..io.images import load_row_images, source_pixels
-from .prompt_cache import ConditionCache, PromptCache
+from .prompt_cache import ConditionCache, PromptCache, cat_padded
 
 __all__ = [
     "ConditionEncoder",
@@ -80,7 +85,7 @@ class ConditionEncoder:
         self.text, self.adapter, self.pipeline_class = text_encoder, adapter, pipeline_class
 
     def _images(self, rows: list[PromptRow]) -> list[list[Any]]:
-        want = self.adapter.images_per_row
+        most = self.adapter.images_per_row
         out = []
         for row in rows:
             where = row.where or "a prompt"
@@ -90,10 +95,10 @@ class ConditionEncoder:
                     f'on one; fix: {{"prompt": ..., "image": "path"}} in a .jsonl file (every row of data.train and '
                     "data.eval)"
                 )
-            if len(row.images) != want:
+            if len(row.images) > most:
                 raise ConfigError(
-                    f"{where}: {len(row.images)} image(s), but this run's rows have {want} each (one batch stacks its "
-                    f"rows' conditions); fix: {want} image(s) in every row"
+                    f"{where}: {len(row.images)} image(s), but this run's adapter takes at most {most} per row (the "
+                    f"most of the rows of data.train and data.eval); fix: at most {most} image(s) in the row"
                 )
             out.append(load_row_images(row.images, where))
         return out
@@ -107,8 +112,28 @@ class ConditionEncoder:
         if negative:
             out.update(self.text.encode_batch([""] * len(rows), prefix="negative_", images=text_images))
         h, w = self.adapter.output_pixels
-        out["source_pixels"] = torch.stack([source_pixels(im, h, w) for im in images])
+        out["source_pixels"] = cat_padded([source_pixels(im, h, w)[None] for im in images])
+        if self.counted:
+            out["condition_counts"] = [len(im) for im in images]
         return {k: _repeat(v, repeat) for k, v in out.items()}
+
+    @property
+    def counted(self) -> bool:
+        """Whether the batch carries ``condition_counts``: an adapter whose rows may have different numbers of
+        condition images (Qwen-Image-Edit-Plus with rows of 2 or 3)."""
+        return self.adapter.images_per_row > 1
+
+    def fitted(self, cond: dict[str, Any]) -> dict[str, Any]:
+        """``cond`` (rows from the cache: each zero-padded to the most images of the batch it was encoded in) cut to
+        its own rows' most images: the batch's shapes depend on its rows alone."""
+        counts = cond.get("condition_counts")
+        if not counts:
+            return cond
+        most = max(counts)
+        out = dict(cond)
+        out["condition_latents"] = cond["condition_latents"][:, : self.adapter.condition_tokens(most)]
+        out["source_pixels"] = cond["source_pixels"][:, :most]
+        return out
 
 
 class PromptEncoder:
@@ -153,7 +178,7 @@ class PromptEncoder:
             return self._with_lengths(cond), None
         conditioner = self.conditioner
         cond = self.conditions.encode(rows, lambda missing: conditioner.encode(missing, 1, negative=self.negative))
-        cond = {k: _repeat(v, repeat) for k, v in cond.items()}
+        cond = {k: _repeat(v, repeat) for k, v in conditioner.fitted(cond).items()}
         return self._with_lengths(cond), cond.pop("source_pixels")
 
     @property
@@ -204,8 +229,17 @@ def with_sources(metadata: list[dict] | None, pixels: torch.Tensor | None, count
         return metadata
     images = pixels.detach().float().cpu() / 255.0
     return [
-        {**m, "source_image": images[i, 0], "source_images": list(images[i])} for i, m in enumerate(metadata)
+        {**m, "source_image": images[i, 0], "source_images": list(images[i, : _image_count(m, images.shape[1])])}
+        for i, m in enumerate(metadata)
     ]
+
+
+def _image_count(metadata: dict, most: int) -> int:
+    """A row's own number of source images, from its ``image`` / ``images`` field (``io/data.PromptRow.metadata``
+    keeps the row's fields): a batch whose rows have different counts zero-pads its pixels to the most."""
+    if isinstance(metadata.get("images"), list):
+        return min(len(metadata["images"]), most)
+    return 1 if isinstance(metadata.get("image"), str) else most
 
 
 def build_conditioning(

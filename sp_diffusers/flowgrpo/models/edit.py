@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .adapters import QwenImageAdapter
 from .flux import FluxAdapter
@@ -34,7 +35,10 @@ __all__ = ["FluxKontextAdapter", "QwenImageEditAdapter", "edit_adapter"]
 
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts).float().cpu()
+    """Rows ``[1, L_i, C]`` -> ``[R, max L_i, C]`` float32 on the CPU, a shorter row zero-padded at the end (rows with
+    fewer condition images: ``condition_counts`` says how many tokens of each row are its own)."""
+    longest = max(p.shape[1] for p in parts)
+    return torch.cat([F.pad(p.float(), (0, 0, 0, longest - p.shape[1])) for p in parts]).cpu()
 
 
 class _Joint:
@@ -62,12 +66,35 @@ class QwenImageEditAdapter(_Joint, QwenImageAdapter):
 
     @property
     def images_per_row(self) -> int:
+        """The most condition images a row of this run has (rows may have fewer: ``condition_counts``)."""
         return len(self.condition_grids)
 
+    def condition_tokens(self, count: int) -> int:
+        """The packed tokens of a row's first ``count`` condition images."""
+        return sum(h * w for h, w in self.condition_grids[:count])
+
     def inputs(self, latents, timestep, embeds, mask, pooled=None, condition=None) -> dict[str, Any]:
+        """The forward kwargs of a batch whose rows have one count of condition images: ``condition["condition_counts"]``
+        (host ints, one per row; absent: every row has ``images_per_row``), whose ``condition_latents`` may be
+        zero-padded past that count's tokens (a mixed batch's: ``sampling/denoise.velocity`` runs one forward per
+        count); the padding is cut here, so the forward sees the row alone's sequence."""
         kwargs = super().inputs(latents, timestep, embeds, mask, pooled)
-        kwargs["hidden_states"] = self._joint(latents, condition)
-        shapes = [(1, self.grid_h, self.grid_w), *((1, h, w) for h, w in self.condition_grids)]
+        count, tokens = self.images_per_row, condition["condition_latents"]
+        counts = condition.get("condition_counts")
+        if counts is not None and len(counts):
+            count = counts[0]
+            if any(c != count for c in counts):
+                raise ValueError(
+                    f"QwenImageEditAdapter.inputs: rows with {sorted(set(counts))} condition images in one forward (the "
+                    "transformer has no mask over image tokens); fix: one forward per count (sampling/denoise.velocity)"
+                )
+            want = self.condition_tokens(count)
+            if tokens.shape[1] > want:
+                tokens = tokens[:, :want]
+            elif tokens.shape[1] < want:  # a stand-in row of another count (denoise.velocity keeps ranks in step)
+                tokens = F.pad(tokens, (0, 0, 0, want - tokens.shape[1]))
+        kwargs["hidden_states"] = torch.cat([latents, tokens.to(latents.dtype)], dim=1)
+        shapes = [(1, self.grid_h, self.grid_w), *((1, h, w) for h, w in self.condition_grids[:count])]
         kwargs["img_shapes"] = [shapes] * latents.shape[0]
         return kwargs
 

@@ -19,7 +19,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["ConditionCache", "PromptCache"]
+__all__ = ["ConditionCache", "PromptCache", "cat_padded"]
+
+
+def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` ``[R_i, N_i, ...]`` concatenated along dim 0, each zero-padded at the end of dim 1 to the largest
+    ``N_i`` (an image-conditioned batch whose rows have different numbers of condition images: their condition
+    tokens and source pixels); the plain ``torch.cat`` where they agree."""
+    longest = max(t.shape[1] for t in tensors) if tensors and tensors[0].dim() > 1 else 0
+    if all(t.dim() < 2 or t.shape[1] == longest for t in tensors):
+        return torch.cat(tensors)
+    parts = []
+    for t in tensors:
+        pad = t.new_zeros((t.shape[0], longest - t.shape[1], *t.shape[2:]))
+        parts.append(torch.cat([t, pad], dim=1) if pad.shape[1] else t)
+    return torch.cat(parts)
 
 @dataclass(frozen=True)
 class _Entry:
@@ -120,7 +134,9 @@ def _host(value: Any) -> Any:
 def _nbytes(value: Any) -> int:
     if torch.is_tensor(value):
         return value.numel() * value.element_size()
-    return sum(_nbytes(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0  # a host int (a row's condition_counts)
 
 
 class ConditionCache:
@@ -162,8 +178,8 @@ class ConditionCache:
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= _nbytes(list(old.values()))
         entries = [found[k] for k in keys]
-        return {
-            n: torch.cat([e[n] for e in entries]) if torch.is_tensor(v) else [x for e in entries for x in e[n]]
+        return {  # rows with fewer condition images than others: zero-padded (conditioning.ConditionEncoder.fitted)
+            n: cat_padded([e[n] for e in entries]) if torch.is_tensor(v) else [x for e in entries for x in e[n]]
             for n, v in entries[0].items()
         }
 

@@ -69,15 +69,85 @@ def velocity(
         out = engine.forward(**adapter.inputs(x, t, embeds.to(dtype), mask, pooled, **extra))
         return adapter.noisy_output(out)
 
+    def run(x: torch.Tensor, t: torch.Tensor, text: dict[str, Any], prefix: str = "") -> torch.Tensor:
+        groups = _count_groups(text)
+        if groups is None:
+            return forward(x, t, text, prefix)
+        return _by_count(forward, groups, x, t, text, prefix)
+
     if cfg_scale > 1.0 and cfg_batch:
         both = cond.get("cfg_pair") or paired(cond)
         t = timestep if timestep.dim() == 0 else torch.cat([timestep, timestep])
-        v, v_neg = forward(torch.cat([x, x]), t, both).chunk(2)
+        v, v_neg = run(torch.cat([x, x]), t, both).chunk(2)
         return guided(v, v_neg, cfg_scale).float()
-    v = forward(x, timestep, cond)
+    v = run(x, timestep, cond)
     if cfg_scale > 1.0:
-        v = guided(v, forward(x, timestep, cond, "negative_"), cfg_scale)
+        v = guided(v, run(x, timestep, cond, "negative_"), cfg_scale)
     return v.float()
+
+
+def _count_groups(text: dict[str, Any]) -> list[tuple[int, list[int]]] | None:
+    """A multi-image edit batch's forwards: ``(count, rows)`` for each count of ``condition_groups`` (every rank's
+    counts, ``conditioning.agreed_count_groups``; else this batch's own), its rows by ``condition_counts`` (host ints:
+    no device sync); an empty ``rows`` where this batch has no row of that count. None: one forward (no counts, or
+    a single group)."""
+    counts = text.get("condition_counts")
+    if counts is None:
+        return None
+    groups = text.get("condition_groups") or sorted(set(counts))
+    if len(groups) < 2:
+        return None
+    return [(c, [i for i, n in enumerate(counts) if n == c]) for c in groups]
+
+
+def _by_count(
+    forward: Callable[..., torch.Tensor],
+    groups: list[tuple[int, list[int]]],
+    x: torch.Tensor,
+    t: torch.Tensor,
+    text: dict[str, Any],
+    prefix: str,
+) -> torch.Tensor:
+    """One forward per count of condition images (the Qwen-Image transformer has no mask over image tokens: rows of
+    different counts cannot share one by padding), the velocities put back in row order. Each group's rows are cut
+    from every per-row entry of ``text`` with one index tensor built on the host and queued to the device; the
+    adapter cuts the group's condition tokens from the padded ones (``edit.QwenImageEditAdapter.inputs``). A count
+    this batch has none of (another rank's) runs a stand-in: the first row as that count, its output joined to the
+    result with weight 0, so that every rank runs the same forwards (and backwards) in the same order."""
+    b = x.shape[0]
+    rows = [i for _, r in groups for i in (r or [0])]  # each forward's rows, one after the other
+    order = [0] * b  # where row i's velocity is in the real groups' outputs, concatenated
+    for at, i in enumerate(i for _, r in groups for i in r):
+        order[i] = at
+    index = to_device(torch.tensor([*rows, *order], dtype=torch.long), x.device)  # one queued copy
+    picks, inverse = index[: len(rows)], index[len(rows) :]
+    outs, stand_ins, start = [], [], 0
+    for count, r in groups:
+        pick = picks[start : start + (len(r) or 1)]
+        start += len(r) or 1
+        part = _rows(text, pick, r or [0], b)
+        if not r:
+            part["condition_counts"] = [count]
+        v = forward(x.index_select(0, pick), t.index_select(0, pick) if t.dim() else t, part, prefix)
+        (outs if r else stand_ins).append(v)
+    out = torch.cat(outs).index_select(0, inverse)
+    for v in stand_ins:
+        out = out + 0.0 * v.sum()  # in the graph: its backward runs (and gathers) as a peer's real group's does
+    return out
+
+
+def _rows(text: dict[str, Any], pick: torch.Tensor, host: list[int], b: int) -> dict[str, Any]:
+    """The per-row entries of ``text`` (tensors and host lists of ``b`` rows) at rows ``pick`` (on the device) /
+    ``host`` (the same, on the host); what is not per row (``condition_groups``) as it is."""
+    out: dict[str, Any] = {}
+    for key, value in text.items():
+        if torch.is_tensor(value) and value.dim() and value.shape[0] == b:
+            out[key] = value.index_select(0, to_device(pick, value.device))
+        elif isinstance(value, list) and len(value) == b:
+            out[key] = [value[i] for i in host]
+        else:
+            out[key] = value
+    return out
 
 
 @dataclass(frozen=True)

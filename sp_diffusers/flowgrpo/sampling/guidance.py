@@ -61,7 +61,10 @@ def paired(cond: dict[str, Any]) -> dict[str, Any]:
         )
     for key, value in cond.items():  # an image condition is the same for both branches (conditioning.py)
         if key.startswith("condition_"):
-            out[key] = torch.cat([value, value])
+            if torch.is_tensor(value):
+                out[key] = torch.cat([value, value])
+            else:  # host values: each row's count of condition images (a list), every rank's counts (a tuple)
+                out[key] = [*value, *value] if isinstance(value, list) else value
     if cond.get("pooled_prompt_embeds") is not None:
         out["pooled_prompt_embeds"] = torch.cat(
             [cond["pooled_prompt_embeds"], cond["negative_pooled_prompt_embeds"]]
