@@ -123,11 +123,13 @@ def test_plan_rl_answers_for_a_conditioned_builtin(capsys):
 
 
 # the built-ins whose transformer the trainer calls through an adapter of its own, each at one small layout (CI
-# time): Z-Image (lists in, a list out), FLUX.2 [klein] (packed tokens, batched 4-axis ids, no guidance embedding),
+# time): Z-Image (lists in, a list out), FLUX.2 [klein] (packed tokens, batched 4-axis ids, no guidance embedding)
+# and [dev] (with one: the pipeline's default guidance as its input),
 # HunyuanVideo-1.5 (zero condition channels, the MLLM stream, one masked glyph row, 729 zero image tokens)
 ADAPTED = {
     "z-image-turbo": [],
     "flux.2-klein-4b": [],
+    "flux.2-dev": [],
     "hunyuanvideo-1.5": ["--frames", "5"],
 }
 

@@ -2,14 +2,16 @@
 every place's peak by part, the FLOPs and the bytes sent. Small models of real classes (fake tensors; nothing is
 allocated) at Ulysses 2 on 4 ranks with uneven shards: Qwen-Image with checkpointing (where FSDP's retained
 reduce-scatter buffer makes a block next to the first or the last one differ), Wan with checkpointing and LoRA,
-and a two-list Flux with full fine-tuning."""
+and a two-list Flux with full fine-tuning. ``plan --rl``'s iteration pieces, counted on one and two blocks per list
+and grown, against the pieces of a full trace: Wan (LoRA, the KL reference) and the two-list Flux."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sp_diffusers.planner.extrapolate import combine, shortcut_counts
+from sp_diffusers.planner.extrapolate import combine, grown_pieces, ledger_counts, shortcut_counts
+from sp_diffusers.planner.iteration import RLKnobs
 from sp_diffusers.planner.models import FAMILIES, ModelSpec
 from sp_diffusers.planner.shapes import Workload
 from sp_diffusers.planner.trace import TraceRequest, block_lists, run_trace
@@ -79,6 +81,43 @@ def test_the_block_shortcut_equals_a_full_trace(kind, config, checkpointing, lor
         assert got.comm == pytest.approx(full.comm, rel=1e-12)
     # the places include blocks between the first and the last: the shortcut's hardest case
     assert any(place[-1] == "middle" for place in full_train.places)
+
+
+@pytest.mark.parametrize(
+    "kind, config, checkpointing, lora",
+    [
+        ("wan", {**WAN, "num_layers": 3}, True, 4),
+        ("flux", {**FLUX, "num_layers": 3, "num_single_layers": 2}, False, None),
+    ],
+    ids=["wan-checkpointing-lora-kl", "flux-two-lists-full"],
+)
+def test_the_pieces_on_fewer_blocks_equal_a_full_trace(kind, config, checkpointing, lora):
+    """The iteration's pieces (every piece, kind, calls and bytes) grown from runs of one and two blocks per list
+    equal the pieces of a run of the whole model (three blocks: the first, one between, the last); Wan: a run of
+    the phases' measures alone measures what a run with the pieces does."""
+    spec = ModelSpec(f"small-{kind}", kind, config, FAMILIES[kind])
+    lists = block_lists(spec)
+    rl = RLKnobs(num_steps=2, trained_steps=1, group_size=2, update_gather="auto", kl=lora is not None)
+    work = Workload(batch=1, grid=(1, 15, 17), text_len=15)  # 255 tokens: uneven shards over 2 ranks
+
+    def trace(counts: dict[str, int], part: str):
+        req = TraceRequest(spec, work, 4, ulysses=2, checkpointing=checkpointing, lora_rank=lora, rl=rl)
+        return run_trace(TraceRequest(**{**req.__dict__, "blocks": tuple(counts.items()), "part": part}))
+
+    full_train, full_rollout = trace(lists, "all")
+    got = grown_pieces(lists, [trace(c, "ledger")[0].pieces for c in ledger_counts(lists)])
+    assert set(got) == set(full_train.pieces) and got == full_train.pieces
+    assert any(full_train.pieces.values())
+    if kind != "wan":
+        return
+    train, rollout = trace(lists, "memory")
+    assert not train.pieces
+    for full, mine in (
+        (full_train, train),
+        (full_rollout, rollout),
+        (full_train.held_update, train.held_update),
+    ):
+        assert (mine.places, mine.flops, mine.comm) == (full.places, full.flops, full.comm)
 
 
 class _Block(torch.nn.Module):

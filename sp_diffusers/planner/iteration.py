@@ -274,7 +274,8 @@ def trace_pieces(engine: Any, inputs: TrainerCalls, rl: RLKnobs, micro_batch: in
             out = inputs.velocity(eng.forward(**kwargs)).float().square().mean()
             if rl.kl and lora:
                 with torch.no_grad(), eng.adapters_disabled(), comm_phase("reference"):
-                    out = out + 0.0 * inputs.velocity(eng.forward(**kwargs)).float().mean()
+                    reference = inputs.velocity(eng.forward(**kwargs)).float().mean()
+                out = out + 0.0 * reference  # outside no_grad: the loss keeps its graph
             return out, {}
 
         engine.forward_backward(None, loss_fn)  # as the trainer's update calls it

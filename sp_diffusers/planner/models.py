@@ -172,7 +172,6 @@ BUILTIN: dict[str, ModelSpec] = {
         FAMILIES["flux2"],
         source="black-forest-labs/FLUX.2-dev",
         default_size=(1024, 1024, 1),
-        notes=("the trainer reads Flux2KleinPipeline folders; a Flux2Pipeline ([dev]) folder is not read yet",),
     ),
     "flux.1-dev": ModelSpec(
         "flux.1-dev",

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .extrapolate import combine, shortcut_counts
+from .extrapolate import combine, grown_pieces, ledger_counts, shortcut_counts
 from .hardware import Hardware, step_seconds
 from .iteration import Pieces, RLKnobs, compose, iteration_seconds
 from .layouts import checkpointing, layouts, replicates
@@ -126,14 +126,24 @@ def _combos(req: PlanRequest) -> list[tuple[int, int, int]]:
     return [(u, r, rep) for u, r in layouts(req) for rep in replicates(req, u, r)]
 
 
+def _counts(req: PlanRequest, lists: dict[str, int]) -> list[tuple[dict[str, int], str]]:
+    """The runs of one layout: (block counts, part). With the shortcut and ``--rl``, the phases' measures on
+    three and four blocks and the iteration's pieces on one and two (``plan/extrapolate.py``)."""
+    if not req.shortcut:
+        return [(lists, "all")]
+    if req.rl is None:
+        return [(c, "all") for c in shortcut_counts(lists)]
+    return [(c, "memory") for c in shortcut_counts(lists)] + [(c, "ledger") for c in ledger_counts(lists)]
+
+
 def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
-    counts = shortcut_counts(lists) if req.shortcut else [lists]
+    counts = _counts(req, lists)
     # --rl: a training micro-step runs both CFG branches in one forward
     work = replace(req.work, batch=req.work.batch * 2) if req.rl is not None and req.rl.cfg else req.work
     tasks = []
     for u, r, rep in _combos(req):
         for i, ckpt in enumerate(checkpointing(req)):
-            for c in counts:
+            for c, part in counts:
                 tasks.append(
                     TraceRequest(
                         req.spec,
@@ -149,6 +159,7 @@ def _tasks(req: PlanRequest, lists: dict[str, int]) -> list[TraceRequest]:
                         rollout=i == 0,
                         rl=req.rl,
                         replicate=rep,
+                        part=part,
                     )
                 )
     return tasks
@@ -317,7 +328,7 @@ def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
     _check(req)
     combos, ckpts = _combos(req), checkpointing(req)
     lists = block_lists(req.spec)
-    tasks = _tasks(req, lists)
+    tasks, counts = _tasks(req, lists), _counts(req, lists)
     workers = req.workers if req.workers is not None else min(4, os.cpu_count() or 1)
     results = run_all(tasks, min(workers, len(tasks)), progress)
     per = len(tasks) // (len(combos) * len(ckpts))
@@ -325,9 +336,13 @@ def make_plan(req: PlanRequest, progress: bool = False) -> Plan:
     plans, rollouts = [], {}
     for i, (u, r, rep, ckpt) in enumerate((*combo, c) for combo in combos for c in ckpts):
         chunk = results[i * per : (i + 1) * per]
-        train = combine(lists, [m[0] for m in chunk]) if req.shortcut else chunk[0][0]
+        measured = [m for m, (_, part) in zip(chunk, counts, strict=True) if part != "ledger"]
+        train = combine(lists, [m[0] for m in measured]) if req.shortcut else chunk[0][0]
         if chunk[0][1] is not None:
-            rollouts[(u, r, rep)] = combine(lists, [m[1] for m in chunk]) if req.shortcut else chunk[0][1]
+            rollouts[(u, r, rep)] = combine(lists, [m[1] for m in measured]) if req.shortcut else chunk[0][1]
+        ledgers = [m[0].pieces for m, (_, part) in zip(chunk, counts, strict=True) if part == "ledger"]
+        if ledgers:
+            train.pieces = grown_pieces(lists, ledgers)
         plan = _layout_plan(req, u, r, ckpt, train, rollouts[(u, r, rep)], extras)
         plan.replicate = rep
         plans.append(plan)

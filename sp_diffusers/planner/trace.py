@@ -65,6 +65,10 @@ class TraceRequest:
     # weights held gathered, and the iteration's pieces are counted (Measure.pieces of the train measure)
     rl: Any = None
     replicate: int = 1  # HSDP replica groups (EngineSettings.dp_replicate)
+    # plan --rl, what the run gives: "all" the phases' measures and the iteration's pieces; "memory" the measures
+    # without the pieces; "ledger" the pieces only (the phases still run first, unmeasured, so the pieces count
+    # the same steady state). The planner counts the pieces on fewer blocks (plan/extrapolate.py: ledger_counts)
+    part: str = "all"
 
 
 @dataclass
@@ -216,8 +220,9 @@ def run_trace(req: TraceRequest) -> tuple[Measure, Measure | None]:
             inputs = build_inputs(req.spec, engine.model, req.work)
             batch = {"inputs": inputs}
             create_optimizer_state(engine)
+            measure = req.part != "ledger"
             try:
-                train = _traced(engine, lists, inputs, lambda: engine.train_step(batch, plan_loss))
+                train = _traced(engine, lists, inputs, lambda: engine.train_step(batch, plan_loss), measure)
             except Exception:
                 if "error" in batch:
                     raise batch["error"] from None
@@ -262,10 +267,11 @@ def _iteration(
         with engine.eval_mode():
             engine.forward(**rollout_inputs)
 
-    rollout = _traced(engine, lists, rollout_inputs, held_forward)
+    measure = req.part != "ledger"
+    rollout = _traced(engine, lists, rollout_inputs, held_forward, measure)
     if rl.gather != "always":
         engine.model.reshard()
-        rollout.per_step = _traced(engine, lists, rollout_inputs, per_step_forward)
+        rollout.per_step = _traced(engine, lists, rollout_inputs, per_step_forward, measure)
     held_update = None
     if rl.update_gather != "never":
 
@@ -276,7 +282,9 @@ def _iteration(
             engine.optimizer_step()
 
         engine.release_params()
-        held_update = _traced(engine, lists, batch["inputs"], held_step)
+        held_update = _traced(engine, lists, batch["inputs"], held_step, measure)
+    if req.part == "memory":
+        return rollout, {}, held_update
     pieces = trace_pieces(engine, make, rl, micro, req.lora_rank is not None)
     return rollout, pieces.as_dict(), held_update
 
@@ -286,7 +294,12 @@ def _rollout(engine: Any, inputs: dict[str, Any]) -> None:
         engine.forward(**inputs)
 
 
-def _traced(engine: Any, lists: dict[str, int], inputs: dict[str, Any], step: Any) -> Measure:
+def _traced(
+    engine: Any, lists: dict[str, int], inputs: dict[str, Any], step: Any, measure: bool = True
+) -> Measure:
+    if not measure:  # a ledger run: the step runs for the state it leaves
+        step()
+        return Measure({}, 0)
     tensors = tuple(v for v in inputs.values() if torch.is_tensor(v))
     tracker = make_tracker(engine.model, engine.optimizer, lists, tensors)
     try:
