@@ -4,7 +4,8 @@
 #   bash examples/run_trainer_io_tiny.sh               # Qwen-Image (FAMILY=flux, sd3, wan, wan2.2, zimage,
 #                                                      # flux2-klein, flux2-dev, hunyuanvideo15 or ltx2 for the others)
 #   FAMILY=qwenimage-edit bash examples/run_trainer_io_tiny.sh   # editing / I2V on image rows: flux-kontext,
-#                                                      # qwenimage-edit, wan-i2v, wan2.2-i2v, wan2.2-ti2v
+#                                                      # qwenimage-edit, qwenimage-edit-plus (rows of 1 to 3
+#                                                      # images), wan-i2v, wan2.2-i2v, wan2.2-ti2v
 #   RUNS=/tmp/runs bash examples/run_trainer_io_tiny.sh  # where the pipeline, run and export go (default runs/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,12 @@ case $family in
     # rows with a source image each; the edit families' tiny VAEs are 8x (64 x 64 px), Wan's 4x (32 x 32 px)
     config=examples/configs/tiny_image_cond_sp2.yaml size=32 length=512 image=(--image examples/data/images/blue.png)
     [[ $family == wan2.2-i2v ]] && extra=(--set flowgrpo.window_size=4 --set "flowgrpo.window_range=[0,1]")
+    ;;
+  qwenimage-edit-plus)
+    # rows of 1, 2 and 3 source images in one run; the sample edits from two
+    config=examples/configs/tiny_image_cond_sp2.yaml size=32 length=512
+    image=(--image examples/data/images/blue.png --image examples/data/images/yellow.png)
+    extra=(--set data.train=examples/data/edit_plus_train.jsonl --set data.eval=examples/data/edit_plus_eval.jsonl)
     ;;
   ltx2) size=32 ;;  # LTX2Pipeline samples at multiples of 32 pixels
 esac

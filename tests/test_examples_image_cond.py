@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("flux-kontext", "qwenimage-edit", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v")
+FAMILIES = ("flux-kontext", "qwenimage-edit", "qwenimage-edit-plus", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v")
 ONE_ITERATION = [f"--set=train.{key}=1" for key in ("iterations", "save_every", "eval_every", "sample_every")]
 
 

@@ -1,6 +1,6 @@
 """The image-conditioned families end to end at tiny size (the issue's done-when), as ``test_trainer_io.py`` holds the
-text-conditioned ones: a pipeline folder of each (FLUX.1 Kontext, Qwen-Image-Edit, Wan2.1 I2V, Wan2.2 I2V-A14B with
-both experts, Wan2.2 TI2V-5B) -> ``sp-diffusers train`` at Ulysses SP = 2 on a .jsonl of rows that name a source
+text-conditioned ones: a pipeline folder of each (FLUX.1 Kontext, Qwen-Image-Edit, Qwen-Image-Edit-Plus on rows of 1,
+2 and 3 images, Wan2.1 I2V, Wan2.2 I2V-A14B with both experts, Wan2.2 TI2V-5B) -> ``sp-diffusers train`` at Ulysses SP = 2 on a .jsonl of rows that name a source
 image (relative paths), with a reward that reads the source pixels, eval on image rows (Qwen-Image-Edit with
 classifier-free guidance in one forward, Wan2.2 TI2V under DanceGRPO, the rest FlowGRPO) -> ``sp-diffusers export`` ->
 plain diffusers, in a process that never imports sp_diffusers, reloads the export (the family's own edit / I2V
@@ -26,10 +26,11 @@ from ._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 REWARDS = ROOT / "examples" / "rewards" / "simple_rewards.py"
-FAMILIES = ("flux-kontext", "qwenimage-edit", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v")
+FAMILIES = ("flux-kontext", "qwenimage-edit", "qwenimage-edit-plus", "wan-i2v", "wan2.2-i2v", "wan2.2-ti2v")
 CLASSES = {
     "flux-kontext": "FluxKontextPipeline",
     "qwenimage-edit": "QwenImageEditPipeline",
+    "qwenimage-edit-plus": "QwenImageEditPlusPipeline",
 }
 
 
@@ -41,8 +42,9 @@ def _argv(family: str, pipeline: Path, data: Path, run: Path) -> list[str]:
         "model.frames": 2,
         "model.condition_area": 32 * 32,
         "parallel.ulysses_sequence_parallel_size": 2,
-        "data.train": str(data / "train.jsonl"),
-        "data.eval": str(data / "eval.jsonl"),
+        # Qwen-Image-Edit-Plus: rows of 1, 2 and 3 images in one run
+        "data.train": str(data / ("plus_train.jsonl" if family == "qwenimage-edit-plus" else "train.jsonl")),
+        "data.eval": str(data / ("plus_eval.jsonl" if family == "qwenimage-edit-plus" else "eval.jsonl")),
         "train.eval_every": 2,
         "train.sample_every": 2,
         "train.sample_count": 1,
@@ -85,6 +87,8 @@ def trained(tmp_path_factory):
     ]
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (data / "eval.jsonl").write_text(json.dumps({"prompt": "make it blue", "image": "images/green.png"}) + "\n")
+    for name in ("plus_train", "plus_eval"):  # the example's rows of 1, 2 and 3 images (relative paths)
+        shutil.copy(ROOT / "examples" / "data" / f"edit_{name}.jsonl", data / f"{name}.jsonl")
     pipes = {f: save_tiny_pipeline(f, root / "pipes" / f, num_layers=1) for f in FAMILIES}
     runs = [(f, _argv(f, pipes[f], data, root / "runs" / f), [2]) for f in FAMILIES]
     metrics = run_distributed("tests.workers.trainer_io:train_runs", 2, runs, timeout=1500)[0]

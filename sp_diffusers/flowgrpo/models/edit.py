@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .adapters import QwenImageAdapter
 from .flux import FluxAdapter
+from .prompt_cache import cat_padded
 
 __all__ = ["FluxKontextAdapter", "QwenImageEditAdapter", "edit_adapter"]
 
@@ -37,8 +38,7 @@ __all__ = ["FluxKontextAdapter", "QwenImageEditAdapter", "edit_adapter"]
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
     """Rows ``[1, L_i, C]`` -> ``[R, max L_i, C]`` float32 on the CPU, a shorter row zero-padded at the end (rows with
     fewer condition images: ``condition_counts`` says how many tokens of each row are its own)."""
-    longest = max(p.shape[1] for p in parts)
-    return torch.cat([F.pad(p.float(), (0, 0, 0, longest - p.shape[1])) for p in parts]).cpu()
+    return cat_padded([p.float() for p in parts]).cpu()
 
 
 class _Joint:

@@ -35,6 +35,7 @@ def cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
         parts.append(torch.cat([t, pad], dim=1) if pad.shape[1] else t)
     return torch.cat(parts)
 
+
 @dataclass(frozen=True)
 class _Entry:
     embeds: torch.Tensor  # [L, D]
