@@ -121,6 +121,8 @@ def test_every_builtin_model_builds_from_its_config():
         "flux.2-dev": {"transformer_blocks": 8, "single_transformer_blocks": 48},
         # image-conditioned (tests/test_plan_cond.py traces them with their condition)
         "qwen-image-edit": {"transformer_blocks": 60},
+        "qwen-image-edit-2509": {"transformer_blocks": 60},
+        "qwen-image-edit-2511": {"transformer_blocks": 60},
         "flux.1-kontext-dev": {"transformer_blocks": 19, "single_transformer_blocks": 38},
         "wan2.1-i2v-14b-720p": {"blocks": 40},
         "wan2.2-i2v-a14b": {"blocks": 40},

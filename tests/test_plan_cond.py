@@ -1,5 +1,5 @@
-"""The planner's image-conditioned built-ins (Qwen-Image-Edit, FLUX.1 Kontext-dev, Wan2.1 I2V-14B-720P, Wan2.2
-I2V-A14B, Wan2.2 TI2V-5B): their tokens count the condition (an edit's condition image joins the sequence), their
+"""The planner's image-conditioned built-ins (Qwen-Image-Edit, -2509 and -2511 with 1 to 3 condition images, FLUX.1
+Kontext-dev, Wan2.1 I2V-14B-720P, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B): their tokens count the condition (an edit's condition image joins the sequence), their
 released configs build, each traces one engine step through its plan at world size 8 with its condition's inputs
 (condition tokens, first-frame channels and 257 CLIP tokens, per-token timesteps), and ``sp-diffusers plan --model
 qwen-image-edit ...`` answers as for the others, ``--rl`` included (the iteration fed the condition the trainer's
@@ -14,13 +14,22 @@ import pytest
 from sp_diffusers.planner.models import BUILTIN, resolve_model
 from sp_diffusers.planner.shapes import build_inputs, workload_from_pixels, workload_from_tokens
 
-COND = ("qwen-image-edit", "flux.1-kontext-dev", "wan2.1-i2v-14b-720p", "wan2.2-i2v-a14b", "wan2.2-ti2v-5b")
+COND = (
+    "qwen-image-edit",
+    "qwen-image-edit-2511",
+    "flux.1-kontext-dev",
+    "wan2.1-i2v-14b-720p",
+    "wan2.2-i2v-a14b",
+    "wan2.2-ti2v-5b",
+)
 
 
 @pytest.mark.parametrize(
     "model, size, tokens",
     [
         ("qwen-image-edit", (1024, 1024, 1), 2 * 64 * 64),  # 4096 output + 4096 condition tokens
+        ("qwen-image-edit-2509", (1024, 1024, 1), 4 * 64 * 64),  # and 3 condition images (the most) by default
+        ("qwen-image-edit-2511", (1024, 1024, 1), 4 * 64 * 64),
         ("flux.1-kontext-dev", (1024, 1024, 1), 2 * 64 * 64),
         ("wan2.1-i2v-14b-720p", (720, 1280, 81), 21 * 45 * 80),  # the condition is channels: no more tokens
         ("wan2.2-i2v-a14b", (720, 1280, 81), 21 * 45 * 80),
@@ -32,6 +41,40 @@ def test_tokens_count_the_condition(model, size, tokens):
     work = workload_from_pixels(spec, *size)
     assert work.tokens == tokens
     assert ("condition tokens" in work.describe(spec)) == (spec.condition == "edit")
+
+
+def test_condition_images_count_each_image_and_are_refused_where_they_do_not_apply(capsys):
+    import dataclasses
+
+    from sp_diffusers.cli import main
+
+    spec = resolve_model("qwen-image-edit-2511")
+    assert (spec.condition_images, spec.max_condition_images, spec.config["zero_cond_t"]) == (3, 3, True)
+    one = workload_from_pixels(dataclasses.replace(spec, condition_images=1), 512, 512)
+    assert one.tokens == 2 * 32 * 32 and "1,024 condition tokens" in one.describe(spec)
+    for model, images, message in (
+        ("qwen-image-edit-2511", 4, "qwen-image-edit-2511 takes 1 to 3; fix: a count in 1..3"),
+        ("qwen-image-edit", 2, "qwen-image-edit takes one condition image; fix: a count in 1..1"),
+        ("qwen-image", 1, "qwen-image is not an edit model; fix: leave it out"),
+    ):
+        argv = ["plan", "--model", model, "--height", "512", "--width", "512", "--gpus", "8"]
+        assert main([*argv, "--condition-images", str(images)]) == 2
+        assert f"--condition-images {images}: {message}" in capsys.readouterr().err
+
+
+def test_plan_rl_answers_for_multi_image_editing(capsys):
+    """Qwen-Image-Edit-2511 with two condition images: the trainer's edit adapter with two condition grids and
+    ``zero_cond_t`` (its condition tokens modulated at timestep 0) through the iteration."""
+    from sp_diffusers.cli import main
+
+    argv = ["plan", "--model", "qwen-image-edit-2511", "--height", "256", "--width", "256", "--condition-images", "2"]
+    argv += ["--gpus", "8", "--ulysses", "4", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32"]
+    argv += ["--batch", "1", "--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None
+    assert out["workload"]["tokens"] == 3 * 16 * 16  # the output's 16 x 16 tokens and two images' as many each
 
 
 def test_the_conditioned_builtins_trace_with_their_condition_at_world_size_8():
@@ -99,7 +142,8 @@ def test_the_rl_iteration_feeds_each_condition_as_the_trainer_does(model):
     kwargs = iteration_inputs(spec, tiny, work)(2, torch.tensor(500.0))
     out = tiny(**kwargs, return_dict=False)[0]
     if spec.condition == "edit":
-        assert kwargs["hidden_states"].shape[1] == 2 * work.grid[1] * work.grid[2]  # output + condition tokens
+        # the output's tokens and each condition image's as many
+        assert kwargs["hidden_states"].shape[1] == (1 + spec.condition_images) * work.grid[1] * work.grid[2]
     elif spec.condition == "i2v":
         assert kwargs["hidden_states"].shape[1] == spec.config["in_channels"]
         assert ("encoder_hidden_states_image" in kwargs) == bool(spec.config.get("image_dim"))

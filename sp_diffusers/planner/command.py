@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -31,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--batch", type=int, default=1, help="samples per micro-batch per SP group (default 1)")
     size.add_argument(
         "--text-len", type=int, default=None, help="text tokens (default: the family's usual length)"
+    )
+    size.add_argument(
+        "--condition-images", type=int, default=None,
+        help="an edit's condition images a row, each at the output's size (Qwen-Image-Edit-2509 / 2511: 1 to 3, "
+        "default 3; the other edit models: 1)",
     )
     gpu = p.add_argument_group("GPUs")
     gpu.add_argument("--gpus", type=int, required=True, help="number of GPUs (world size)")
@@ -114,6 +120,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
     spec = resolve_model(args.model)
+    images = args.condition_images
+    if images is not None:
+        if spec.condition != "edit" or not 1 <= images <= spec.max_condition_images:
+            takes = (
+                f"takes 1 to {spec.max_condition_images}" if spec.max_condition_images > 1
+                else "takes one condition image" if spec.condition == "edit" else "is not an edit model"
+            )
+            raise PlanError(
+                f"--condition-images {images}: {spec.name} {takes}; fix: "
+                + (f"a count in 1..{spec.max_condition_images}" if spec.condition == "edit" else "leave it out")
+            )
+        spec = dataclasses.replace(spec, condition_images=images)
     if args.tokens is not None:
         if args.height is not None or args.width is not None:
             raise PlanError("give either --tokens or --height/--width, not both")

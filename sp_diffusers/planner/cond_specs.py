@@ -5,6 +5,9 @@ writes the Wan ones; the edit models reuse their text-to-image transformer uncha
 - ``qwen-image-edit``: Qwen/Qwen-Image-Edit: Qwen-Image's transformer config (60 layers, 24 x 128 heads, in 64);
   the condition image's packed tokens join the sequence (the pipeline resizes it to ~1 MP: at a ~1 MP output as many
   condition tokens as output tokens).
+- ``qwen-image-edit-2509``, ``qwen-image-edit-2511``: Qwen/Qwen-Image-Edit-2509 and -2511 (``QwenImageEditPlusPipeline``):
+  the same transformer config, 2511's with ``zero_cond_t`` (the condition tokens modulated at timestep 0); 1 to 3
+  condition images a row, each image's tokens joining the sequence (counted at the output's size, 3 by default).
 - ``flux.1-kontext-dev``: black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's transformer config (guidance-distilled);
   the condition tokens join the sequence as for Qwen-Image-Edit.
 - ``wan2.1-i2v-14b-720p``: Wan-AI/Wan2.1-I2V-14B-720P-Diffusers: Wan2.1-14B with ``in_channels`` 36 (16 noisy + 4
@@ -23,7 +26,7 @@ from typing import Any
 
 from .released_configs import FLUX_DEV, QWEN_IMAGE, WAN_14B
 
-__all__ = ["COND_SPECS"]
+__all__ = ["CONDITION_IMAGES", "COND_SPECS"]
 
 # name -> (kind, family name in models.FAMILIES, config, condition, experts, source, default (h, w, frames))
 COND_SPECS: dict[str, tuple[str, str, dict[str, Any], str, int, str, tuple[int, int, int]]] = {
@@ -34,6 +37,24 @@ COND_SPECS: dict[str, tuple[str, str, dict[str, Any], str, int, str, tuple[int, 
         "edit",
         1,
         "Qwen/Qwen-Image-Edit",
+        (1024, 1024, 1),
+    ),
+    "qwen-image-edit-2509": (
+        "qwenimage",
+        "qwenimage",
+        QWEN_IMAGE,
+        "edit",
+        1,
+        "Qwen/Qwen-Image-Edit-2509",
+        (1024, 1024, 1),
+    ),
+    "qwen-image-edit-2511": (
+        "qwenimage",
+        "qwenimage",
+        {**QWEN_IMAGE, "zero_cond_t": True},
+        "edit",
+        1,
+        "Qwen/Qwen-Image-Edit-2511",
         (1024, 1024, 1),
     ),
     "flux.1-kontext-dev": (
@@ -80,3 +101,5 @@ COND_SPECS: dict[str, tuple[str, str, dict[str, Any], str, int, str, tuple[int, 
         (704, 1280, 121),
     ),
 }
+# the edit built-ins that take several condition images a row (QwenImageEditPlusPipeline): the most
+CONDITION_IMAGES = {"qwen-image-edit-2509": 3, "qwen-image-edit-2511": 3}

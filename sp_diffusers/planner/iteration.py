@@ -216,14 +216,15 @@ def _conditioned(spec: ModelSpec, model: torch.nn.Module, base: Any) -> tuple[An
 
     fields = {k: getattr(base, k) for k in base.__dataclass_fields__}
     if spec.condition == "edit":
-        grid = (base.grid_h, base.grid_w)
+        grid, images = (base.grid_h, base.grid_w), spec.condition_images
         if spec.family.kind == "flux":
             adapter: Any = FluxKontextAdapter(**fields, condition_grid=grid)
-        else:
-            adapter = QwenImageEditAdapter(**fields, condition_grids=(grid,))
+        else:  # Qwen-Image-Edit(-Plus): each condition image's tokens after the noisy ones
+            adapter = QwenImageEditAdapter(**fields, condition_grids=(grid,) * images)
 
         def edit(batch: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-            return {"condition_latents": torch.randn(batch, grid[0] * grid[1], base.channels).to(dtype)}
+            tokens = grid[0] * grid[1] * images
+            return {"condition_latents": torch.randn(batch, tokens, base.channels).to(dtype)}
 
         return adapter, edit
     config = model.config

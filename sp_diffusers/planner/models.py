@@ -97,6 +97,9 @@ class ModelSpec:
     # an image condition (cond_specs.py): "edit" (a condition image's tokens join the sequence, as many as the
     # output's), "i2v" (first frame + mask as channels; CLIP tokens where image_dim), "ti2v" (per-token timesteps)
     condition: str = ""
+    # an edit's condition images, each at the output's size (plan --condition-images; Qwen-Image-Edit-Plus: 1 to 3)
+    condition_images: int = 1
+    max_condition_images: int = 1
 
     @property
     def class_name(self) -> str:
@@ -317,7 +320,7 @@ BUILTIN: dict[str, ModelSpec] = {
 
 
 def _conditioned() -> dict[str, ModelSpec]:
-    from .cond_specs import COND_SPECS
+    from .cond_specs import COND_SPECS, CONDITION_IMAGES
 
     notes = {
         "edit": "the condition image's tokens join the sequence (its pipeline resizes it to ~1 MP: counted at the output's size)",
@@ -328,8 +331,12 @@ def _conditioned() -> dict[str, ModelSpec]:
     out = {}
     for name, (kind, family, config, condition, experts, source, size) in COND_SPECS.items():
         extra = ("two experts (high-noise, low-noise): the step runs one",) if experts > 1 else ()
+        most = CONDITION_IMAGES.get(name, 1)
+        if most > 1:
+            extra = (*extra, f"1 to {most} condition images a row (plan --condition-images; default {most}, the most)")
         out[name] = ModelSpec(
-            name, kind, dict(config), families[family], experts, source, size, (*extra, notes[condition]), condition
+            name, kind, dict(config), families[family], experts, source, size, (*extra, notes[condition]), condition,
+            most, most,
         )
     return out
 

@@ -98,8 +98,9 @@ def workload_from_pixels(
 
 
 def _condition(spec: ModelSpec, grid: tuple[int, int, int]) -> int:
-    """An edit's condition tokens: its image at the output's size (the pipelines' ~1 MP at a ~1 MP output)."""
-    return grid[0] * grid[1] * grid[2] if spec.condition == "edit" else 0
+    """An edit's condition tokens: each of its ``condition_images`` at the output's size (the pipelines' ~1 MP at a
+    ~1 MP output)."""
+    return grid[0] * grid[1] * grid[2] * spec.condition_images if spec.condition == "edit" else 0
 
 
 def workload_from_tokens(
@@ -150,8 +151,8 @@ def build_inputs(spec: ModelSpec, model: torch.nn.Module, work: Workload) -> dic
     # flux's builder takes the packed token grid, the others the latent grid they patchify themselves
     image_hw = (h, w) if f.kind == "flux" else latent[1:]
     options: dict[str, Any] = {}
-    if spec.condition == "edit":  # the condition image's tokens after the noisy ones
-        options["condition_hw"] = (image_hw,)
+    if spec.condition == "edit":  # each condition image's tokens after the noisy ones
+        options["condition_hw"] = (image_hw,) * spec.condition_images
     elif spec.condition == "ti2v":
         options["first_frame_timestep"] = True
     elif spec.condition == "i2v" and model.config.get("image_dim"):
