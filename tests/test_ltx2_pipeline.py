@@ -13,6 +13,8 @@ if not hasattr(diffusers, "LTX2Pipeline"):
 
 from sp_diffusers.tiny.pipelines import LTX2_MAX_SEQUENCE_LENGTH, PIPELINE_WRITERS, save_tiny_ltx2_pipeline  # noqa: E402
 
+from ._engine import OneProcessEngine  # noqa: E402
+
 HEIGHT, WIDTH, NUM_FRAMES, FRAME_RATE = 32, 64, 9, 24.0  # LTX2Pipeline wants height, width multiples of 32
 
 
@@ -137,20 +139,6 @@ def _io_text(encoder, prompts, prefix: str) -> dict:
     return out
 
 
-class _Engine:
-    """The model as the trainer's engine calls it (one process): every output of a multi-output model."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def for_step(self, step: int) -> _Engine:
-        return self
-
-    def forward(self, **inputs):
-        out = self.model(**inputs, return_dict=False)
-        return out[0] if len(out) == 1 else tuple(out)
-
-
 def test_ltx2_inputs_as_the_pipeline(ltx2_folder):
     """The trainer's parts give LTX-2's transformer what ``LTX2Pipeline`` gives it: the same timesteps (its shift over
     the video tokens), both latent streams and the timestep (and ``sigma``) bit for bit, the connectors' video and
@@ -206,7 +194,7 @@ def test_ltx2_sampler_steps_and_decodes_as_the_pipeline(ltx2_folder, guidance):
     batch = 2 if guidance > 1 else 1  # the pipeline's CFG stacks [negative, positive]
     final = None
     for cfg_batch in (False, True) if guidance > 1 else (True,):
-        sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=guidance, cfg_batch=cfg_batch)
+        sampler = Sampler(OneProcessEngine(model), adapter, schedule, cfg_scale=guidance, cfg_batch=cfg_batch)
         for i in range(schedule.num_steps):
             call = calls[i]
             x = torch.cat([call["hidden_states"], call["audio_hidden_states"]], dim=1)[-2:]  # the positive half

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from ._dist import run_distributed
+from ._engine import OneProcessEngine
 from .test_pipeline_io_cond import AREA, PROMPT, _image, _load, _record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,17 +81,6 @@ def _dense(batch, prefixes=("",)):
     return cond
 
 
-class _Engine:
-    """The transformer as the trainer's engine runs it, each forward's kwargs kept."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, []
-
-    def forward(self, **kw):
-        self.calls.append(kw)
-        return self.model(**kw, return_dict=False)[0]
-
-
 def test_each_row_of_a_mixed_batch_gets_the_pipelines_velocity_for_it_alone(folder, tmp_path, monkeypatch):
     from sp_diffusers.flowgrpo.models.conditioning import with_sources
     from sp_diffusers.flowgrpo.sampling.denoise import velocity
@@ -116,7 +106,7 @@ def test_each_row_of_a_mixed_batch_gets_the_pipelines_velocity_for_it_alone(fold
     assert [len(m["source_images"]) for m in sources] == [1, 2, 3]
     cond = _dense(batch)
     x = torch.cat([call["hidden_states"][:, : adapter.tokens] for call, _ in alone])
-    engine = _Engine(model)
+    engine = OneProcessEngine(model)
     with torch.no_grad():
         got = velocity(engine, adapter, x, schedule.timesteps[0], cond)
     assert len(engine.calls) == 3  # one forward per count
@@ -141,7 +131,7 @@ def test_one_count_is_one_forward_bit_for_bit_and_cfg_pairs_the_groups(folder, t
         # rows 0 and 2 (two images each) alone: one forward, exactly as without counts
         pick = torch.tensor([0, 2])
         two = {k: v[pick] if torch.is_tensor(v) else [v[0], v[2]] for k, v in cond.items()}
-        engine = _Engine(model)
+        engine = OneProcessEngine(model)
         counted = velocity(engine, adapter, x[pick], t, two)
         assert len(engine.calls) == 1
         # ... a run whose rows all have two images: its adapter's grids, no counts

@@ -16,6 +16,8 @@ import torch
 
 from sp_diffusers.flowgrpo.config import ConfigError, TrainConfig
 
+from ._engine import OneProcessEngine
+
 FAMILIES = ("qwenimage", "flux", "sd3", "wan", "zimage", "flux2-klein", "flux2-dev")
 KIND = {"flux2-klein": "flux2", "flux2-dev": "flux2"}  # tiny pipeline name -> model.kind, where they differ
 PROMPTS = ["a red cat", "a blue teapot on a table"]  # different lengths: ragged text
@@ -138,19 +140,6 @@ def test_trainer_parts_give_the_transformer_what_the_pipeline_gives_it(folders, 
             assert torch.equal(call["guidance"], torch.full((len(PROMPTS),), 4.0)) and "guidance" in shared
 
 
-class _Engine:
-    """The model as the trainer's engine hands it to the sampler (one process, no SP)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def for_step(self, step: int) -> _Engine:
-        return self
-
-    def forward(self, **inputs):
-        return self.model(**inputs, return_dict=False)[0]
-
-
 @pytest.mark.parametrize(
     ("family", "guidance"),
     [("zimage", 0.0), ("zimage", 2.0), ("flux2-klein", 1.0), ("flux2-klein", 4.0), ("flux2-dev", 2.5)],
@@ -204,7 +193,7 @@ def test_sampler_steps_as_the_pipeline_steps(folders, family, guidance):
     # Z-Image batches both branches in one call; FLUX.2 [klein] calls its transformer once per branch, and so does
     # the sampler here (rollout.cfg_batch false): the same forwards and the same guidance formula, bit for bit
     two_calls = family != "zimage"
-    sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=c.flowgrpo.cfg_scale, cfg_batch=not two_calls)
+    sampler = Sampler(OneProcessEngine(model), adapter, schedule, cfg_scale=c.flowgrpo.cfg_scale, cfg_batch=not two_calls)
     batch, guided = len(PROMPTS), scale > 1.0
     per_step = 2 if guided and two_calls else 1
     assert len(calls) == per_step * schedule.num_steps
@@ -564,7 +553,7 @@ def test_hunyuanvideo15_sampler_steps_as_the_pipeline_steps(hv_folder, guidance)
     assert len(calls) == per_step * schedule.num_steps
     sigmas = schedule.sigmas.tolist()
     for cfg_batch in (False, True) if guided else (True,):
-        sampler = Sampler(_Engine(model), adapter, schedule, cfg_scale=guidance, cfg_batch=cfg_batch)
+        sampler = Sampler(OneProcessEngine(model), adapter, schedule, cfg_scale=guidance, cfg_batch=cfg_batch)
         for i in range(schedule.num_steps):
             x = calls[per_step * i]["hidden_states"][:, : adapter.channels]
             with torch.no_grad():

@@ -24,6 +24,21 @@ COND = (
 )
 
 
+def _plan_rl(capsys, model: str, *size: str, ulysses: int = 2, lora_rank: int = 32) -> dict:
+    """``sp-diffusers plan --rl`` at one small layout of 8 GPUs (CI time): its JSON, after the checks every
+    built-in answers (one layout, traced with its iteration, and a recommendation)."""
+    from sp_diffusers.cli import main
+
+    argv = ["plan", "--model", model, *size, "--gpus", "8", "--ulysses", str(ulysses), "--ring", "1"]
+    argv += ["--activation-checkpointing", "on", "--lora-rank", str(lora_rank), "--batch", "1"]
+    argv += ["--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    (layout,) = out["layouts"]
+    assert layout["iteration"] and out["recommended"] is not None
+    return out
+
+
 @pytest.mark.parametrize(
     "model, size, tokens",
     [
@@ -65,15 +80,8 @@ def test_condition_images_count_each_image_and_are_refused_where_they_do_not_app
 def test_plan_rl_answers_for_multi_image_editing(capsys):
     """Qwen-Image-Edit-2511 with two condition images: the trainer's edit adapter with two condition grids and
     ``zero_cond_t`` (its condition tokens modulated at timestep 0) through the iteration."""
-    from sp_diffusers.cli import main
-
-    argv = ["plan", "--model", "qwen-image-edit-2511", "--height", "256", "--width", "256", "--condition-images", "2"]
-    argv += ["--gpus", "8", "--ulysses", "4", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32"]
-    argv += ["--batch", "1", "--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    (layout,) = out["layouts"]
-    assert layout["iteration"] and out["recommended"] is not None
+    size = ("--height", "256", "--width", "256", "--condition-images", "2")
+    out = _plan_rl(capsys, "qwen-image-edit-2511", *size, ulysses=4)
     assert out["workload"]["tokens"] == 3 * 16 * 16  # the output's 16 x 16 tokens and two images' as many each
 
 
@@ -153,16 +161,9 @@ def test_the_rl_iteration_feeds_each_condition_as_the_trainer_does(model):
 
 
 def test_plan_rl_answers_for_a_conditioned_builtin(capsys):
-    from sp_diffusers.cli import main
-
-    # one small layout (CI time): Wan2.1 I2V, the condition with the most parts (channels and CLIP tokens)
-    argv = ["plan", "--model", "wan2.1-i2v-14b-720p", "--height", "240", "--width", "416", "--frames", "5"]
-    argv += ["--gpus", "8", "--ulysses", "8", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "64"]
-    argv += ["--batch", "1", "--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    (layout,) = out["layouts"]
-    assert layout["iteration"] and out["recommended"] is not None
+    # Wan2.1 I2V, the condition with the most parts (channels and CLIP tokens)
+    size = ("--height", "240", "--width", "416", "--frames", "5")
+    out = _plan_rl(capsys, "wan2.1-i2v-14b-720p", *size, ulysses=8, lora_rank=64)
     assert any("first frame" in note for note in out["notes"])
 
 
@@ -182,15 +183,7 @@ ADAPTED = {
 def test_plan_rl_answers_for_the_adapted_builtins(capsys, model):
     """The RL iteration calls the transformer through the trainer's adapter and reads the velocity as the trainer
     does (``adapter.noisy_output``)."""
-    from sp_diffusers.cli import main
-
-    argv = ["plan", "--model", model, "--height", "256", "--width", "256", *ADAPTED[model], "--gpus", "8"]
-    argv += ["--ulysses", "2", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32", "--batch", "1"]
-    argv += ["--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    (layout,) = out["layouts"]
-    assert layout["iteration"] and out["recommended"] is not None
+    _plan_rl(capsys, model, "--height", "256", "--width", "256", *ADAPTED[model])
 
 
 def test_plan_rl_answers_for_ltx2(capsys):
@@ -199,7 +192,6 @@ def test_plan_rl_answers_for_ltx2(capsys):
     velocity joins the forward's (video, audio) outputs; the plan counts the audio tokens and says so."""
     import torch
 
-    from sp_diffusers.cli import main
     from sp_diffusers.planner.iteration import iteration_inputs
     from sp_diffusers.tiny import tiny_model
 
@@ -214,11 +206,5 @@ def test_plan_rl_answers_for_ltx2(capsys):
     assert kwargs["audio_encoder_hidden_states"].shape == kwargs["encoder_hidden_states"].shape
     assert calls.velocity(tiny(**kwargs, return_dict=False)).shape == (2, 8 + 9, 8)
 
-    argv = ["plan", "--model", "ltx-2", "--height", "256", "--width", "256", "--frames", "9", "--text-len", "128"]
-    argv += ["--gpus", "8", "--ulysses", "2", "--ring", "1", "--activation-checkpointing", "on", "--lora-rank", "32"]
-    argv += ["--batch", "1", "--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    (layout,) = out["layouts"]
-    assert layout["iteration"] and out["recommended"] is not None
+    out = _plan_rl(capsys, "ltx-2", "--height", "256", "--width", "256", "--frames", "9", "--text-len", "128")
     assert any("audio tokens" in note for note in out["notes"])

@@ -157,7 +157,15 @@ def tiny_mistral3(seed: int, vocab: int, hidden: int = 16, layers: int = 30, max
     vision = PixtralVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=32
     )
-    text = MistralConfig(
+    text = MistralConfig(**_decoder_dims(vocab, hidden, layers, max_positions))
+    config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=3, spatial_merge_size=1)
+    return _seeded(seed, lambda: Mistral3ForConditionalGeneration(config)).eval()
+
+
+def _decoder_dims(vocab: int, hidden: int, layers: int, max_positions: int) -> dict[str, Any]:
+    """A tiny decoder LM's config keys (Qwen3, Mistral): two heads of ``hidden / 2``, one key/value head, an MLP twice
+    as wide, the character tokenizers' pad / bos / eos ids."""
+    return dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -170,8 +178,6 @@ def tiny_mistral3(seed: int, vocab: int, hidden: int = 16, layers: int = 30, max
         bos_token_id=1,
         eos_token_id=2,
     )
-    config = Mistral3Config(vision_config=vision, text_config=text, image_token_index=3, spatial_merge_size=1)
-    return _seeded(seed, lambda: Mistral3ForConditionalGeneration(config)).eval()
 
 
 def _seeded(seed: int, build):
@@ -268,19 +274,7 @@ def tiny_qwen3(
     and 27, so it needs at least 27 layers; 28 keep all three intermediate, as in the released 36-layer Qwen3-4B)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
 
-    config = Qwen3Config(
-        vocab_size=len(CHAT_WORDS),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden // 2,
-        max_position_embeddings=max_positions,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = Qwen3Config(**_decoder_dims(len(CHAT_WORDS), hidden, layers, max_positions))
     cls = Qwen3ForCausalLM if causal_lm else Qwen3Model
     return _seeded(seed, lambda: cls(config)).eval()
 
