@@ -2,7 +2,7 @@
 with ``--reward-seconds``, before and after its rewards are scored beside the rollout (``rollout.chunks``).
 
     python benchmarks/rl_iteration.py [--workload image video] [--steps 16] [--cfg 4] [--repeats 3] [--json out.json]
-    python benchmarks/rl_iteration.py --reward-seconds 0.25 [--chunks 1 2 4] ...
+    python benchmarks/rl_iteration.py --reward-seconds 0.25 [--chunks 1 2 4] [--lag] ...
     python benchmarks/rl_iteration.py --compile ...
 
 Two workloads at SP = 2 on 2 ranks (FSDP2 over both), each a trainer built twice on the same config, differing
@@ -24,6 +24,10 @@ own process) whose function takes S seconds per sample and returns the latents' 
 its own, whose time the trainer's processes spend waiting (this host's two cores are the two ranks'; a reward
 computed on them would share them). The variants differ only in ``rollout.chunks`` (``--chunks``); 1 is the
 iteration scored after the rollout.
+
+``--lag`` (with ``--reward-seconds``) adds ``update.lag: 1``: each iteration trains the previous one's rollout,
+whose rewards were scored meanwhile (the optional one-step off-policy mode; its first iteration, untimed, trains
+nothing).
 
 ``--compile``: the "after" iteration eager against ``train.compile: blocks`` (CPU inductor), timed after two
 iterations (the first forward of each shape runs eagerly, then the graphs compile).
@@ -117,9 +121,7 @@ def _rank(
     for name, trainer in trainers.items():
         ledger = CommLedger()
         with ledger.recording():
-            metrics = trainer.train_iteration(0)
-        rewards[name] = metrics["reward_mean"]
-        waits[name] = metrics.get("reward_wait_seconds")
+            trainer.train_iteration(0)
         ledgers[name] = {f"{p}/{k}": list(v) for (p, k), v in ledger.take().items()}
     compiled = any(t.config.train.compile != "off" for t in trainers.values())
     recorded: dict[str, list[dict]] = {name: [] for name in trainers}
@@ -128,6 +130,10 @@ def _rank(
         repeats,
         warmup=1 if compiled else 0,
     )
+    for name, runs in recorded.items():  # the main thread's wait for the background scoring (median)
+        rewards[name] = runs[-1]["reward_mean"]  # a timed iteration's (update.lag: the first trains nothing)
+        timed = [m["reward_wait_seconds"] for m in runs[-repeats:] if "reward_wait_seconds" in m]
+        waits[name] = statistics.median(timed) if timed else None
     phases = {  # each phase's median over the timed iterations (the trainer's phase_seconds/<phase>)
         name: {
             key.split("/", 1)[1]: statistics.median(m[key] for m in runs[-repeats:])
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--reward-seconds", type=float, default=0.0, help="a reward server's seconds per sample")
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], help="rollout.chunks variants")
+    p.add_argument("--lag", action="store_true", help="with --reward-seconds: an update.lag 1 variant too")
     p.add_argument("--group-size", type=int, default=0, help="flowgrpo.group_size (0: the workload's)")
     p.add_argument("--compile", action="store_true", help="train.compile off against blocks (CPU inductor)")
     add_device_arguments(p)
@@ -248,6 +255,8 @@ def _overlap(args: argparse.Namespace) -> int:
                 for n in args.chunks
                 if n <= samples
             }
+            if args.lag:  # the previous iteration's rollout trained, this one's scored meanwhile
+                variants["lag 1"] = {**VARIANTS["after"], "update.lag": 1, "flowgrpo.rewards": [entry]}
             r = spawn(
                 _rank, 2, workload, args.steps, args.cfg, args.repeats, variants, args.group_size,
                 backend=args.backend, device=args.device,

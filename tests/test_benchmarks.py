@@ -84,12 +84,15 @@ def test_rl_iteration_with_a_reward_server_runs_each_chunking(tmp_path):
 
     out = tmp_path / "overlap.json"
     argv = ["--workload", "image", "--steps", "3", "--repeats", "1", "--reward-seconds", "0.01", "--chunks", "1", "2"]
-    rl_iteration.main([*argv, "--json", str(out)])
+    rl_iteration.main([*argv, "--lag", "--json", str(out)])
     image = json.loads(out.read_text())["image"]
-    assert set(image["seconds"]) == {"chunks 1", "chunks 2"} and image["ratio"]["chunks 1"] == 1.0
-    # the same iteration scored beside the rollout: the server's rewards (the latents' mean) agree
-    assert abs(image["reward_mean"]["chunks 1"] - image["reward_mean"]["chunks 2"]) <= 1e-5
+    assert set(image["seconds"]) == {"chunks 1", "chunks 2", "lag 1"} and image["ratio"]["chunks 1"] == 1.0
+    # the same iteration scored beside the rollout (or, lagged, beside the next one: the same batch again at SP 2,
+    # learning rate 0): the server's rewards (the latents' mean) agree
+    for name in ("chunks 2", "lag 1"):
+        assert abs(image["reward_mean"]["chunks 1"] - image["reward_mean"][name]) <= 1e-5, name
     assert image["reward_wait_seconds"]["chunks 1"] is None and image["reward_wait_seconds"]["chunks 2"] >= 0
+    assert image["reward_wait_seconds"]["lag 1"] >= 0
 
 
 def test_peers_are_exact_and_none_is_dropped(tmp_path):

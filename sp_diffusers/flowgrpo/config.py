@@ -337,6 +337,11 @@ class UpdateConfig:
     # where the whole model in the compute dtype fits with a quarter of the device to spare (training's
     # activations must fit in that quarter: plan --rl says whether they do)
     gather_params: str = "never"
+    # 0: each iteration updates on its own rollout (on-policy). 1: each iteration updates on the previous one's
+    # rollout, whose rewards were scored in the background meanwhile (a reward server or model off these devices
+    # then costs the iteration nothing); one optimizer step behind its samples, the clipped ratio to the rollout
+    # policy's log-probs corrects for it (flowgrpo.clip_range). docs/training.md, "What an iteration costs"
+    lag: int = 0
 
 
 @dataclass
@@ -516,6 +521,14 @@ def validate(config: TrainConfig) -> None:
         "rollout.chunks",
         config.rollout.chunks,
         f"an int in [1, {samples}] (each rank rolls out flowgrpo.prompts_per_rank x group_size = {samples} samples)",
+    )
+    require(config.update.lag in (0, 1), "update.lag", config.update.lag, "0 (on-policy) or 1 (one step behind)")
+    require(
+        config.update.lag == 0 or config.rollout.chunks == 1,
+        "rollout.chunks",
+        config.rollout.chunks,
+        "with update.lag=1 it must be 1 (the whole rollout is scored while the next iteration runs: chunks would "
+        "only add forwards); fix: rollout.chunks=1, or update.lag=0",
     )
     for key, value in (("train.eval_every", t.eval_every), ("train.sample_every", t.sample_every)):
         require(value >= 0, key, value, "0 (never) or a positive interval in iterations")

@@ -8,7 +8,8 @@
     rewards     scored over the SP group (or the background scoring's shares gathered), gathered over data
                 parallelism; group-relative advantages; the zero-advantage filter (``algorithms/selection.py``: the
                 same count on every dp rank)
-    update      mini-batches x micro-batches x trained steps, each the algorithm's loss (``update.py``)
+    update      mini-batches x micro-batches x trained steps, each the algorithm's loss (``update.py``); with
+                ``update.lag: 1`` on the previous iteration's rollout, whose rewards were scored meanwhile
 
 The loop knows phases, not algorithms: ``flowgrpo.algorithm`` picks an ``Algorithm`` (``algorithms/``), and the loop
 asks it for its plan, its span, its advantages and its loss of the inputs it declares.
@@ -28,6 +29,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,18 @@ def _seed(*parts: int) -> int:
     for p in parts:
         value = (value * 6364136223846793005 + int(p) + 1442695040888963407) % (2**63 - 1)
     return value
+
+
+@dataclass
+class Sampled:
+    """A batch rolled out, its old policy's log-probs ``[B, T]`` (and ``kl`` ``[B, T]``: flowgrpo.kl_reward), its
+    rewards being scored by ``scoring`` in the background, or (None) scored when its advantages are asked for."""
+
+    batch: IterationBatch
+    traj: Trajectory
+    old_log_probs: torch.Tensor
+    kl: torch.Tensor | None
+    scoring: BackgroundScoring | None
 
 
 class FlowGRPOTrainer:
@@ -180,6 +194,7 @@ class FlowGRPOTrainer:
         self.start_iteration = 0
         self.log = RunLog(self.out_dir, self.rank, tuple(c.train.loggers), c.train.wandb_project)
         self._gather_once: bool | None = None  # rollout.gather_params, decided at the first rollout
+        self.pending: Sampled | None = None  # update.lag: the rollout the next iteration trains on
         self._update_gather: bool | None = None  # update.gather_params, decided at the first update
         self.ledger = CommLedger()  # every collective of an iteration, by phase and kind (ledger.py)
         self.clock = PhaseClock(self.engine.device)  # each phase's time: metrics phase_seconds/<phase> (timing.py)
@@ -234,16 +249,18 @@ class FlowGRPOTrainer:
 
     # ---------------------------------------------------------------------------------------- one iteration
 
-    def train_iteration(self, iteration: int) -> dict[str, Any]:
+    def train_iteration(self, iteration: int, drain: bool = False) -> dict[str, Any]:
+        """One iteration: its batch rolled out, scored and trained on; with ``update.lag: 1`` the previous
+        iteration's rollout is trained on instead while this one's is scored, and ``drain`` trains this one's too
+        (before a checkpoint and at the end: no rollout is left untrained, none is carried over a resume)."""
         start, encoding = time.perf_counter(), self.prompt_encoder.seconds
         with self.clock("batch"):  # prompts encoded (or their cache read), noise drawn, broadcast over SP
             batch = self.iteration_batch(iteration).prepared(self.engine)
-        traj, advantages, old_log_probs, stats = self.collect(batch)
-        with self.clock("update"):
-            metrics = self.update(batch, traj, advantages, old_log_probs)
-        metrics.update(self.algorithm.after_update(self.engine, metrics))  # DiffusionNFT's decay, GARDO's reset
-        metrics.update(stats)
-        metrics.update(self.algorithm.iteration_metrics(batch.plan))
+        if self.config.update.lag:
+            metrics = self.lagged_iteration(batch, drain)
+        else:
+            traj, advantages, old_log_probs, stats = self.collect(batch)
+            metrics = self.train_on(batch, traj, advantages, old_log_probs, stats)
         if self.stream is not None:
             metrics["epoch"] = self.data_position(iteration + 1) / len(self.stream)
         metrics["iteration"] = iteration + 1
@@ -303,32 +320,96 @@ class FlowGRPOTrainer:
         ``rollout.chunks > 1`` the configured rewards score each chunk in the background (``rewards/overlap.py``)."""
         if self.offline:  # preference pairs: the batch's latents are the data, nothing samples or scores
             return self.pair_batch(batch)
+        background = self.config.rollout.chunks > 1 and self.scorer.override is None
+        with BackgroundScoring(self.scorer) if background else contextlib.nullcontext() as scoring:
+            sampled = self.sample(batch, scoring)
+            advantages, stats = self.scored(sampled)
+        return sampled.traj, advantages, sampled.old_log_probs, stats
+
+    def sample(self, batch: IterationBatch, scoring: BackgroundScoring | None = None) -> Sampled:
+        """A prepared batch rolled out and its old policy recomputed (and, ``flowgrpo.kl_reward``, its KL to the
+        reference); ``scoring`` scores it in the background: each chunk as it is done (``rollout.chunks``), else
+        the whole rollout as soon as it is."""
         wants = self.algorithm.inputs()
         recompute = self.config.flowgrpo.recompute_old_log_probs
         kl_reward = self.config.flowgrpo.kl_reward > 0
         means = wants.old_means or kl_reward  # the per-step KL reads the sampling policy's step means too
-        background = self.config.rollout.chunks > 1 and self.scorer.override is None
+        chunked = scoring if self.config.rollout.chunks > 1 else None
         kl = None
-        with contextlib.ExitStack() as stack:
-            scoring = stack.enter_context(BackgroundScoring(self.scorer)) if background else None
-            with self.engine.eval_mode(), self.weight_holder() as hold:
-                with self.clock("rollout"):
-                    traj = self.rollout(batch, hold, keep_means=means and not recompute, scoring=scoring)
-                old_log_probs = traj.rollout_log_probs()
-                if means and not recompute:
-                    traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
-                if recompute and (wants.old_log_probs or kl_reward):
-                    with comm_phase("old_log_probs"), self.clock("old_log_probs"):
-                        old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, means)
-                if kl_reward:
-                    with comm_phase("reference"), self.clock("reference"):
-                        kl = self.reference_kl(batch, traj, hold)
-            # the rewards scored here, or (rollout.chunks) the wait for the background scoring's last chunk
-            with self.engine.eval_mode(), comm_phase("reward"), self.clock("reward"):
-                advantages, stats = self.advantages(batch, traj, scoring, kl)
+        with self.engine.eval_mode(), self.weight_holder() as hold:
+            with self.clock("rollout"):
+                traj = self.rollout(batch, hold, keep_means=means and not recompute, scoring=chunked)
+            if scoring is not None and chunked is None:  # scored beside the old policy's recomputation
+                scoring.submit(traj.final, batch.prompts, batch.metadata, batch.source_pixels)
+            old_log_probs = traj.rollout_log_probs()
+            if means and not recompute:
+                traj.old_means, traj.means = traj.rollout_means(), None  # only the trained steps' are kept
+            if recompute and (wants.old_log_probs or kl_reward):
+                with comm_phase("old_log_probs"), self.clock("old_log_probs"):
+                    old_log_probs, traj.old_means = self.recompute_old_policy(batch, traj, hold, means)
+            if kl_reward:
+                with comm_phase("reference"), self.clock("reference"):
+                    kl = self.reference_kl(batch, traj, hold)
+        return Sampled(batch, traj, old_log_probs.detach(), kl, scoring)
+
+    def scored(self, sampled: Sampled) -> tuple[torch.Tensor, dict[str, float]]:
+        """The advantages and reward statistics of a sampled batch: scored here, or the wait for its background
+        scoring (``rollout.chunks``: the last chunk's; ``update.lag``: the whole rollout's, long done)."""
+        scoring = sampled.scoring
+        with self.engine.eval_mode(), comm_phase("reward"), self.clock("reward"):
+            advantages, stats = self.advantages(sampled.batch, sampled.traj, scoring, sampled.kl)
+        if scoring is not None:
+            stats.update(reward_seconds=scoring.busy_seconds, reward_wait_seconds=scoring.wait_seconds)
+        return advantages, stats
+
+    def train_on(
+        self,
+        batch: IterationBatch,
+        traj: Trajectory,
+        advantages: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        stats: dict[str, float],
+    ) -> dict[str, Any]:
+        """The update on a scored rollout, and the iteration's metrics of it."""
+        with self.clock("update"):
+            metrics = self.update(batch, traj, advantages, old_log_probs)
+        metrics.update(self.algorithm.after_update(self.engine, metrics))  # DiffusionNFT's decay, GARDO's reset
+        metrics.update(stats)
+        metrics.update(self.algorithm.iteration_metrics(batch.plan))
+        return metrics
+
+    def lagged_iteration(self, batch: IterationBatch, drain: bool) -> dict[str, Any]:
+        """``update.lag: 1``: this batch rolled out and handed to the background scoring, then the previous
+        iteration's rollout (scored meanwhile) trained on: one optimizer step behind its samples, which the loss's
+        clipped ratio to their recorded log-probs accounts for. The first iteration has nothing to train yet
+        (``update_skipped``); ``drain`` trains this batch too (its metrics under ``drain/``)."""
+        scoring = BackgroundScoring(self.scorer) if self.scorer.override is None else None
+        try:
+            sampled = self.sample(batch, scoring)
+        except BaseException:
             if scoring is not None:
-                stats.update(reward_seconds=scoring.busy_seconds, reward_wait_seconds=scoring.wait_seconds)
-        return traj, advantages, old_log_probs.detach(), stats
+                scoring.close()
+            raise
+        previous, self.pending = self.pending, sampled
+        metrics: dict[str, Any] = {"update_skipped": 1.0} if previous is None else self.train_pending(previous)
+        if drain:
+            self.pending = None
+            metrics.update({f"drain/{k}": v for k, v in self.train_pending(sampled).items()})
+        return metrics
+
+    def train_pending(self, sampled: Sampled) -> dict[str, Any]:
+        try:
+            advantages, stats = self.scored(sampled)
+        finally:
+            if sampled.scoring is not None:
+                sampled.scoring.close()
+        return self.train_on(sampled.batch, sampled.traj, advantages, sampled.old_log_probs, stats)
+
+    def close_pending(self) -> None:
+        """Stop the background scoring of a rollout left untrained (a run that stops on an error)."""
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.scoring is not None:
+            pending.scoring.close()
 
     def pair_batch(self, batch: IterationBatch) -> tuple[Trajectory, torch.Tensor, torch.Tensor, dict[str, float]]:
         """A batch of preference pairs as :meth:`collect` returns a rollout: the data as the trajectory's final
@@ -659,9 +740,24 @@ class FlowGRPOTrainer:
             return self.history
         if c.progress:
             self.log.start_progress(c.iterations, self.start_iteration)
+        try:
+            self._loop()
+        finally:
+            self.close_pending()
+        layout = self.engine.layout
+        self.log.close(
+            plot=c.plot,
+            title=f"{self.out_dir.name}: {self.config.model.kind}, dp {layout.dp} x ring {layout.ring} x "
+            f"ulysses {layout.ulysses}, {len(self.history)} iterations",
+        )
+        return self.history
+
+    def _loop(self) -> None:
+        c = self.config.train
         for it in range(self.start_iteration, c.iterations):
+            saves = bool(c.save_every) and (it + 1) % c.save_every == 0 and it + 1 < c.iterations
             with self.ledger.recording():
-                metrics = self.train_iteration(it)
+                metrics = self.train_iteration(it, drain=saves or it + 1 == c.iterations)
                 if c.eval_every and (it + 1) % c.eval_every == 0:
                     if self.config.data.eval:
                         metrics.update(self.evaluator.evaluate())
@@ -677,14 +773,6 @@ class FlowGRPOTrainer:
             if c.compile != "off":  # every graph dynamo compiled in this process so far
                 metrics["compile_graphs"] = float(compiled_graphs())
             self.log.append(metrics)  # and the progress bar
-            if c.save_every and (it + 1) % c.save_every == 0 and it + 1 < c.iterations:
+            if saves:
                 self.save(it + 1)
-        if self.start_iteration < c.iterations:
-            self.save(c.iterations)
-        layout = self.engine.layout
-        self.log.close(
-            plot=c.plot,
-            title=f"{self.out_dir.name}: {self.config.model.kind}, dp {layout.dp} x ring {layout.ring} x "
-            f"ulysses {layout.ulysses}, {len(self.history)} iterations",
-        )
-        return self.history
+        self.save(c.iterations)

@@ -133,6 +133,9 @@ class Algorithm:
     section: ClassVar[str | None] = None  # its own keys: flowgrpo.<section>.* (read by no other algorithm)
     takes_kl_reward: ClassVar[bool] = False  # flowgrpo.kl_reward: per-step advantages of a stored SDE step's KL
     pair_units: ClassVar[bool] = False  # the update keeps samples 2k, 2k + 1 of ``kept`` in one micro-batch
+    # update.lag=1 trains a rollout one optimizer step old: only a loss that clips its ratio to the rollout policy's
+    # log-probs stays correct there (it keeps nothing else of the policy that sampled)
+    trains_lagged: ClassVar[bool] = False
     # the shared flowgrpo keys this algorithm does not read: set away from their defaults, they are refused
     ignores: ClassVar[tuple[str, ...]] = ()
 

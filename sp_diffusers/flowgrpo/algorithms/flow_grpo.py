@@ -33,6 +33,7 @@ SDE_STEPS = ("auto", "window", "all")
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
     takes_kl_reward = True
+    trains_lagged = True  # a clipped ratio to the rollout's log-probs (GRPO-Guard and Flow-DPPO inherit it)
     default_sde_steps: ClassVar[str] = "window"  # flowgrpo.sde_steps: auto -> this
 
     @classmethod

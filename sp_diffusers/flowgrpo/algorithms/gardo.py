@@ -195,6 +195,7 @@ class GARDO(FlowGRPO):
     default_timestep_fraction = 0.89  # the SD3 OCR and GenEval recipes (FLUX: 0.7)
     ignores = ("kl_coef", "kl_reward")  # its KL is flowgrpo.gardo.kl_coef's, on the gated samples
     takes_kl_reward: ClassVar[bool] = False
+    trains_lagged: ClassVar[bool] = False  # its reference resets and KL gate follow the iterations' rollouts
 
     def __init__(self, config: TrainConfig) -> None:
         super().__init__(config)

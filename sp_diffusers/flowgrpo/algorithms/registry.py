@@ -65,6 +65,13 @@ def check_algorithm_keys(config: TrainConfig) -> None:
             UnreadKeyWarning,
             stacklevel=2,
         )
+    if config.update.lag and not chosen.trains_lagged:
+        takers = ", ".join(n for n, c in ALGORITHMS.items() if c.trains_lagged)
+        raise ConfigError(
+            f"update.lag={config.update.lag}: the update trains the previous iteration's rollout, and "
+            f"flowgrpo.algorithm={chosen.name} keeps more of the policy that sampled than its log-probs; fix: "
+            f"update.lag=0, or one of {takers}"
+        )
     if not (math.isfinite(g.kl_reward) and g.kl_reward >= 0):
         raise ConfigError(f"flowgrpo.kl_reward={g.kl_reward!r} must be a finite number >= 0 (0: off)")
     if g.kl_reward > 0 and not chosen.takes_kl_reward:

@@ -60,6 +60,10 @@ class BackgroundScoring:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the thread: what is queued is dropped, what runs finishes."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def submit(
