@@ -4,7 +4,9 @@ While a :class:`CommLedger` records (``with ledger.recording():``), the collecti
 of its functional twins (``torch.distributed._functional_collectives``: diffusers' gathers, DTensor's reductions)
 pass through thin wrappers that add one entry each: no tensor is read, nothing is synchronised, and outside a
 recording the functions are torch's own. Object collectives (``all_gather_object`` and friends) are counted as
-the tensor collectives they issue inside.
+the tensor collectives they issue inside. A compiled graph calls the c10d functional ops past these wrappers: its
+collectives are listed once from the graph (:func:`graph_collectives`, the same byte rules on its static shapes)
+and added each time it runs (:func:`count_graph`; ``sp_diffusers.engine.compiling.counting_backend``).
 
 Phase: what the process is doing, named by the innermost :func:`comm_phase` (``"other"`` outside any):
 
@@ -33,13 +35,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["KINDS", "PHASES", "CommLedger", "active_ledger", "comm_kind", "comm_phase"]
+__all__ = [
+    "KINDS",
+    "PHASES",
+    "CommLedger",
+    "active_ledger",
+    "comm_kind",
+    "comm_phase",
+    "count_graph",
+    "graph_collectives",
+]
 
 PHASES = (
     "batch",
@@ -222,7 +234,7 @@ def _sized(
 def _list_gather(args: tuple, kwargs: dict) -> int:
     p = _size(_arg(args, kwargs, 2, "group"))
     parts = _arg(args, kwargs, 0, "tensor_list") or []
-    return _gather(sum(_nbytes(t) for t in parts), p) if p > 1 else 0
+    return _all_gather_bytes(sum(_nbytes(t) for t in parts) // p, p) if p > 1 else 0
 
 
 def _p2p_batch(args: tuple, kwargs: dict) -> int:
@@ -242,33 +254,48 @@ def _dist_rules() -> dict[str, _Rule]:
         "all_gather": ("activation", _list_gather),
         "all_gather_into_tensor": (
             "activation",
-            _sized(lambda t, p: _gather(_nbytes(t), p), 0, "output_tensor", 2),
+            _sized(lambda t, p: _all_gather_bytes(_nbytes(t) // p, p), 0, "output_tensor", 2),
         ),
         "all_gather_single": (
             "activation",
-            _sized(lambda t, p: _gather(_nbytes(t), p), 0, "output_tensor", 2),
+            _sized(lambda t, p: _all_gather_bytes(_nbytes(t) // p, p), 0, "output_tensor", 2),
         ),
-        "reduce_scatter_tensor": ("activation", _sized(lambda t, p: _gather(_nbytes(t), p), 1, "input", 3)),
-        "reduce_scatter_single": ("activation", _sized(lambda t, p: _gather(_nbytes(t), p), 1, "input", 3)),
-        "all_reduce": ("agreement", _sized(lambda t, p: 2 * _gather(_nbytes(t), p), 0, "tensor", 2)),
-        "broadcast": ("data", _sized(lambda t, p: _nbytes(t), 0, "tensor", 2)),
+        "reduce_scatter_tensor": ("activation", _sized(lambda t, p: _reduce_scatter_bytes(_nbytes(t), p), 1, "input", 3)),
+        "reduce_scatter_single": ("activation", _sized(lambda t, p: _reduce_scatter_bytes(_nbytes(t), p), 1, "input", 3)),
+        "all_reduce": ("agreement", _sized(lambda t, p: _all_reduce_bytes(_nbytes(t), p), 0, "tensor", 2)),
+        "broadcast": ("data", _sized(lambda t, p: _broadcast_bytes(_nbytes(t), p), 0, "tensor", 2)),
         "batch_isend_irecv": ("activation", _p2p_batch),
         "barrier": ("agreement", lambda a, k: 0),
     }
 
 
+def _all_gather_bytes(piece: int, p: int) -> int:
+    """An all-gather of ``piece`` bytes from each of ``p`` ranks."""
+    return _gather(piece * p, p) if p > 1 else 0
+
+
+def _reduce_scatter_bytes(total: int, p: int) -> int:
+    """A reduce-scatter of a ``total``-byte input."""
+    return _gather(total, p) if p > 1 else 0
+
+
+def _all_reduce_bytes(total: int, p: int) -> int:
+    return 2 * _gather(total, p) if p > 1 else 0
+
+
+def _broadcast_bytes(total: int, p: int) -> int:
+    return total if p > 1 else 0
+
+
 def _funcol_rules() -> dict[str, _Rule]:
     def gathered(a: tuple, k: dict) -> int:
-        p = _size(_arg(a, k, 2, "group"))
-        return _gather(_nbytes(_arg(a, k, 0, "self")) * p, p) if p > 1 else 0
+        return _all_gather_bytes(_nbytes(_arg(a, k, 0, "self")), _size(_arg(a, k, 2, "group")))
 
     def scattered(a: tuple, k: dict) -> int:
-        p = _size(_arg(a, k, 3, "group"))
-        return _gather(_nbytes(_arg(a, k, 0, "self")), p) if p > 1 else 0
+        return _reduce_scatter_bytes(_nbytes(_arg(a, k, 0, "self")), _size(_arg(a, k, 3, "group")))
 
     def reduced(a: tuple, k: dict) -> int:
-        p = _size(_arg(a, k, 2, "group"))
-        return 2 * _gather(_nbytes(_arg(a, k, 0, "self")), p) if p > 1 else 0
+        return _all_reduce_bytes(_nbytes(_arg(a, k, 0, "self")), _size(_arg(a, k, 2, "group")))
 
     def a2a(a: tuple, k: dict) -> int:
         return _a2a(_arg(a, k, 0, "self"), _arg(a, k, 2, "input_split_sizes"), _arg(a, k, 3, "group"))
@@ -288,9 +315,80 @@ def _funcol_rules() -> dict[str, _Rule]:
     rules["all_to_all_single_autograd"] = ("activation", a2a)
     rules["broadcast"] = (
         "data",
-        lambda a, k: _nbytes(_arg(a, k, 0, "self")) if _size(_arg(a, k, 2, "group")) > 1 else 0,
+        lambda a, k: _broadcast_bytes(_nbytes(_arg(a, k, 0, "self")), _size(_arg(a, k, 2, "group"))),
     )
     return rules
+
+
+# ------------------------------------------------------------------- collectives inside compiled graphs
+
+
+def _graph_rules() -> dict[str, _Rule]:
+    """The ops of ``torch.ops._c10d_functional`` (what a traced collective becomes in a graph) by name, each with
+    the kind and the bytes of the Python function that issues it eagerly, from the op's schema arguments
+    (tensors: the graph's fake tensors, ``node.meta["val"]``; groups: by name)."""
+
+    def total(tensors: Any) -> int:
+        return sum(_nbytes(t) for t in tensors)
+
+    return {
+        "all_to_all_single": ("activation", lambda a, k: _a2a(a[0], a[2], a[3])),
+        "all_gather_into_tensor": ("activation", lambda a, k: _all_gather_bytes(_nbytes(a[0]), _size(a[2]))),
+        "all_gather_into_tensor_coalesced": (
+            "activation",
+            lambda a, k: _all_gather_bytes(total(a[0]), _size(a[2])),
+        ),
+        "reduce_scatter_tensor": ("activation", lambda a, k: _reduce_scatter_bytes(_nbytes(a[0]), _size(a[3]))),
+        "reduce_scatter_tensor_coalesced": (
+            "activation",
+            lambda a, k: _reduce_scatter_bytes(total(a[0]), _size(a[3])),
+        ),
+        "all_reduce": ("agreement", lambda a, k: _all_reduce_bytes(_nbytes(a[0]), _size(a[2]))),
+        "all_reduce_coalesced": ("agreement", lambda a, k: _all_reduce_bytes(total(a[0]), _size(a[2]))),
+        "broadcast": ("data", lambda a, k: _broadcast_bytes(_nbytes(a[0]), _size(a[2]))),
+    }
+
+
+_UNKNOWN: set[str] = set()  # graph collectives warned about
+
+
+def graph_collectives(gm: torch.fx.GraphModule) -> list[tuple[str, int]]:
+    """``(kind, bytes)`` of every collective ``gm`` (a graph after AOT autograd) issues per run, in graph order:
+    what one run adds to the active ledger (:func:`count_graph`). Sizes come from the graph's static shapes.
+    A collective the rules do not know is warned about once and left out (a metric never stops a run)."""
+    rules = _graph_rules()
+    out: list[tuple[str, int]] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace not in ("_c10d_functional", "_c10d_functional_autograd"):
+            continue
+        name = node.target._opname
+        if name in ("wait_tensor",):
+            continue
+        if name not in rules:
+            if name not in _UNKNOWN:
+                _UNKNOWN.add(name)
+                warnings.warn(
+                    f"the communication ledger has no byte rule for the graph collective {node.target}: its calls "
+                    "are not counted in comm/* metrics",
+                    stacklevel=2,
+                )
+            continue
+        kind, nbytes = rules[name]
+        args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+        out.append((kind, nbytes(args, {})))
+    return out
+
+
+def count_graph(entries: list[tuple[str, int]]) -> None:
+    """Add one run of a compiled graph's collectives (:func:`graph_collectives`) to the recording ledger, under
+    the phase and kind open now, as eager calls would be counted; nothing when no ledger records."""
+    ledger = _state.ledger
+    if ledger is None or _state.inside:
+        return
+    for kind, nbytes in entries:
+        ledger.add(kind, nbytes)
 
 
 _OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
