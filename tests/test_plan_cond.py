@@ -24,14 +24,16 @@ COND = (
 )
 
 
-def _plan_rl(capsys, model: str, *size: str, ulysses: int = 2, lora_rank: int = 32) -> dict:
+def _plan_rl(
+    capsys, model: str, *size: str, ulysses: int = 2, lora_rank: int = 32, extra: tuple[str, ...] = ()
+) -> dict:
     """``sp-diffusers plan --rl`` at one small layout of 8 GPUs (CI time): its JSON, after the checks every
-    built-in answers (one layout, traced with its iteration, and a recommendation)."""
+    built-in answers (one layout, traced with its iteration, and a recommendation); ``extra``: more arguments."""
     from sp_diffusers.cli import main
 
     argv = ["plan", "--model", model, *size, "--gpus", "8", "--ulysses", str(ulysses), "--ring", "1"]
     argv += ["--activation-checkpointing", "on", "--lora-rank", str(lora_rank), "--batch", "1"]
-    argv += ["--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json"]
+    argv += ["--rl", "--num-steps", "4", "--trained-steps", "1", "--group-size", "2", "--json", *extra]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     (layout,) = out["layouts"]
@@ -163,8 +165,22 @@ def test_the_rl_iteration_feeds_each_condition_as_the_trainer_does(model):
 def test_plan_rl_answers_for_a_conditioned_builtin(capsys):
     # Wan2.1 I2V, the condition with the most parts (channels and CLIP tokens)
     size = ("--height", "240", "--width", "416", "--frames", "5")
-    out = _plan_rl(capsys, "wan2.1-i2v-14b-720p", *size, ulysses=8, lora_rank=64)
+    # and compiled (this run serves tests/test_plan_compile.py too: one trace fewer in CI)
+    compiled = ("--compile", "blocks", "--compile-train-speedup", "1.25")
+    out = _plan_rl(capsys, "wan2.1-i2v-14b-720p", *size, ulysses=8, lora_rank=64, extra=compiled)
     assert any("first frame" in note for note in out["notes"])
+    from sp_diffusers.planner.hardware import compute_scaled
+
+    best = out["recommended"]
+    it = best["iteration"]
+    assert (it["compile"], it["compile_speedup"], it["compile_train_speedup"]) == ("blocks", 1.5, 1.25)
+    assert best["config_keys"]["train.compile"] == "blocks"
+    # the layout's train step is eager; the iteration's 2 micro-steps (2 samples, batch 1, 1 trained step) are it
+    # with the compute divided by 1.25 and the communication as it was
+    step = {**best["step_terms_seconds"], "total": best["step_seconds"]}
+    assert it["seconds"]["train"] == pytest.approx(2 * compute_scaled(step, 1.25)["total"])
+    # (this small step is bound by FSDP's collectives, which outlast its compute: compiled, it is no faster)
+    assert it["seconds"]["train"] <= 2 * best["step_seconds"]
 
 
 # the built-ins whose transformer the trainer calls through an adapter of its own, each at one small layout (CI

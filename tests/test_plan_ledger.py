@@ -145,3 +145,22 @@ def test_the_rewards_exposed_time_follows_the_chunk_pipeline():
     assert seconds["reward"] == 4.0 and seconds["total"] == pytest.approx(8 + 2 + 4 + 2 * 2 * 0.5)
     with pytest.raises(PlanError, match=r"--chunks 9 is invalid: an int in \[1, 8\]"):
         RLKnobs(**{**rl.__dict__, "chunks": 9}).check(4, False)
+
+
+def test_the_lagged_update_hides_the_rewards_behind_the_next_iteration():
+    """plan --rl --lag 1 (update.lag): a rollout's scoring runs from its end through its old log-probs, the
+    previous rollout's update and the next rollout with its old log-probs; only what outlasts them is exposed."""
+    from sp_diffusers.planner.iteration import RLKnobs, exposed_reward_seconds, iteration_seconds
+    from sp_diffusers.planner.models import PlanError
+
+    rl = RLKnobs(group_size=4, prompts_per_rank=2, reward_seconds=0.5, lag=1)  # 8 samples: 4 s of rewards
+    assert exposed_reward_seconds(2.0, 0.25, rl, train=1.0) == 4.0 - (2.0 + 0.5 + 1.0)
+    assert exposed_reward_seconds(8.0, 1.0, rl, train=2.0) == 0.0
+    forward = {"compute": 1.0, "sp_comm": 0.0, "fsdp_comm": 0.0}
+    seconds = iteration_seconds(forward, {"total": 0.5}, 0.0, RLKnobs(**{**rl.__dict__, "num_steps": 2}), 4, True)
+    # rollout 2 s, old log-probs 2 s, train 2 micro-batches x 2 steps x 0.5 s: 2 + 2 x 2 + 2 = 8 s hide 4 s
+    assert seconds["reward"] == 0.0 and seconds["total"] == pytest.approx(2 + 2 + 2)
+    with pytest.raises(PlanError, match=r"--chunks 2 with --lag 1"):
+        RLKnobs(**{**rl.__dict__, "chunks": 2}).check(4, False)
+    with pytest.raises(PlanError, match=r"--lag 2 is invalid"):
+        RLKnobs(**{**rl.__dict__, "lag": 2}).check(4, False)

@@ -9,8 +9,9 @@ import sys
 import time
 from typing import Any
 
+from ..engine.compiling import COMPILE_MODES
 from .hardware import GPUS, hardware
-from .iteration import RLKnobs
+from .iteration import COMPILE_SPEEDUP, RLKnobs
 from .models import BUILTIN, PlanError, resolve_model
 from .planner import GIB, LayoutPlan, Plan, PlanRequest, make_plan
 from .shapes import workload_from_pixels, workload_from_tokens
@@ -108,6 +109,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--chunks", type=int, default=1,
         help="the rollout in N chunks, each scored while the next samples (rollout.chunks)",
     )
+    rl.add_argument(
+        "--lag", type=int, default=0, choices=(0, 1),
+        help="1: each iteration trains the previous one's rollout while this one's is scored (update.lag)",
+    )
+    rl.add_argument(
+        "--compile", choices=COMPILE_MODES, default="off",
+        help="predict a compiled run (train.compile; default off, the trainer's): compute divided by the speedups "
+        "below, communication unchanged; model is predicted as blocks (FSDP2's per-block hooks split its graph)",
+    )
+    rl.add_argument(
+        "--compile-speedup", type=float, default=None, metavar="F",
+        help=f"with --compile: what divides the compute of the forwards without grad (rollout, old log-probs); "
+        f"default {COMPILE_SPEEDUP:g}, FLUX.1-dev inference on one H100 (6.7 s -> 4.5 s, compiled whole or by "
+        "blocks) in the PyTorch devlog 'torch.compile and Diffusers: A Hands-On Guide to Peak Performance' "
+        "(May 2026)",
+    )
+    rl.add_argument(
+        "--compile-train-speedup", type=float, default=None, metavar="F",
+        help="with --compile: what divides the compute of a training micro-step (forward and backward); default 1 "
+        "(no published measurement of a compiled DiT training step: set it from your own run)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of the table")
     out.add_argument(
@@ -172,10 +194,24 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
 
 
 def _rl_knobs(args: argparse.Namespace) -> RLKnobs | None:
+    compile_mode = getattr(args, "compile", "off")
+    speedups = {
+        "--compile-speedup": getattr(args, "compile_speedup", None),
+        "--compile-train-speedup": getattr(args, "compile_train_speedup", None),
+    }
+    given = [name for name, value in speedups.items() if value is not None]
     if not getattr(args, "rl", False):
+        if compile_mode != "off" or given:
+            flag = f"--compile {compile_mode}" if compile_mode != "off" else given[0]
+            raise PlanError(f"{flag} predicts the RL iteration; fix: add --rl, or leave it out")
         return None
+    if given and compile_mode == "off":
+        raise PlanError(
+            f"{given[0]} {speedups[given[0]]:g} applies to a compiled run; fix: add --compile blocks, or leave it out"
+        )
     if not args.cfg_scale >= 1.0:
         raise PlanError(f"--cfg-scale {args.cfg_scale} is invalid: >= 1 (1: no CFG)")
+    forward, train = speedups.values()
     return RLKnobs(
         num_steps=args.num_steps,
         cfg=args.cfg_scale > 1.0,
@@ -187,6 +223,10 @@ def _rl_knobs(args: argparse.Namespace) -> RLKnobs | None:
         kl=args.kl,
         reward_seconds=args.reward_seconds,
         chunks=args.chunks,
+        lag=args.lag,
+        compile=compile_mode,
+        compile_speedup=COMPILE_SPEEDUP if forward is None else forward,
+        compile_train_speedup=1.0 if train is None else train,
     )
 
 
@@ -210,6 +250,10 @@ def selection(p: LayoutPlan, req: PlanRequest) -> dict[str, Any]:
     if req.rl is not None and p.iteration:
         keys["rollout.gather_params"] = "always" if p.iteration["rollout_gathers_once"] else "never"
         keys["update.gather_params"] = "always" if p.iteration["update_gathers_once"] else "never"
+        if req.rl.compile != "off":
+            keys["train.compile"] = req.rl.compile
+        if req.rl.lag:
+            keys["update.lag"] = req.rl.lag
     verl = {
         "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": p.ulysses,
         "actor_rollout_ref.model.ring_degree": p.ring,
@@ -338,6 +382,13 @@ def print_iterations(plan: Plan, out: Any) -> None:
         f"trained per sample, micro-batch {plan.request.work.batch}",
         file=out,
     )
+    if rl.compile != "off":
+        print(
+            f"  compiled (train.compile: {rl.compile}{', predicted as blocks' if rl.compile == 'model' else ''}): "
+            f"compute / {rl.forward_speedup:g} in the forwards without grad, / {rl.train_speedup:g} in training "
+            "(assumed factors, not measured here); communication as eager",
+            file=out,
+        )
     head = (
         " ulysses ring  dp rep ckpt | once upd | rollout s  old s reward s  train s   iter s | img/GPU/s |"
         " gather GB reduce GB activ GB"

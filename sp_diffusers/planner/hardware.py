@@ -8,6 +8,9 @@ Step time, per micro-batch on one GPU (stated as a model, not measured):
     fsdp     = bytes FSDP's all-gathers and reduce-scatters send / bandwidth   (prefetched: hidden behind compute)
     step     = compute + sp + max(0, fsdp - compute)
 
+Compiled (``plan --rl --compile blocks``), compute is divided by a stated speedup; sp and fsdp are unchanged (the
+collectives inside the graphs send the same bytes), so less of fsdp is hidden (:func:`compute_scaled`).
+
 A collective whose group spreads over more consecutive ranks than one node holds (``--nodes``: the GPUs divided
 evenly; else 8 per node) uses the inter-node bandwidth: a data-parallel FSDP group of 16 ranks on 2 nodes, or
 HSDP's replica groups (ranks one node apart), while HSDP's shard groups stay inside a node.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 from .models import PlanError
 
-__all__ = ["GPUS", "Hardware", "hardware", "step_seconds"]
+__all__ = ["GPUS", "Hardware", "compute_scaled", "hardware", "step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +97,17 @@ def step_seconds(
         "fsdp_comm": terms["fsdp"],
         "total": compute + exposed,
     }
+
+
+def compute_scaled(terms: dict[str, float], speedup: float) -> dict[str, float]:
+    """``step_seconds`` terms with the compute divided by ``speedup`` (a compiled forward: ``plan --rl
+    --compile``) and the total recomputed: the collectives' bytes and seconds unchanged, the FSDP ones hidden
+    behind the smaller compute. Only the terms that are there are used (``total`` defaults to compute + SP)."""
+    if speedup == 1.0:
+        return dict(terms)
+    compute = terms.get("compute", 0.0)
+    fsdp = terms.get("fsdp_comm", 0.0)
+    total = terms.get("total", compute + terms.get("sp_comm", 0.0) + max(0.0, fsdp - compute))
+    rest = total - compute - max(0.0, fsdp - compute)  # the exposed SP and other collectives
+    scaled = compute / speedup
+    return {**terms, "compute": scaled, "total": scaled + rest + max(0.0, fsdp - scaled)}

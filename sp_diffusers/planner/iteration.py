@@ -34,10 +34,13 @@ from typing import Any
 
 import torch
 
+from ..engine.compiling import COMPILE_MODES  # train.compile's
+from .hardware import compute_scaled
 from .models import ModelSpec, PlanError
 from .shapes import CLIP_IMAGE_TOKENS, Workload
 
 __all__ = [
+    "COMPILE_SPEEDUP",
     "Ledger",
     "Pieces",
     "RLKnobs",
@@ -50,6 +53,11 @@ __all__ = [
 ]
 
 Ledger = dict[tuple[str, str], tuple[int, int]]  # (phase, kind) -> (calls, bytes)
+
+# FLUX.1-dev inference on one H100, 6.7 s -> 4.5 s with transformer.compile(fullgraph=True), the same with regional
+# compilation (compile_repeated_blocks): "torch.compile and Diffusers: A Hands-On Guide to Peak Performance",
+# docs.pytorch.org/devlogs/inductor/2026-05-11-torch-compile-and-diffusers (May 2026)
+COMPILE_SPEEDUP = 1.5
 
 # the width of the text a family's transformer takes (HunyuanVideo-1.5: its MLLM stream; the byT5 stream is left to
 # the adapter's default, one masked row: a prompt without quoted text; LTX-2: its connectors' width, both streams)
@@ -71,10 +79,24 @@ class RLKnobs:
     kl: bool = False  # a KL reference forward (adapters off, LoRA only) per trained step
     reward_seconds: float = 0.0  # a reward's seconds per sample on a device of its own (a reward server)
     chunks: int = 1  # rollout.chunks: each chunk scored while the next samples
+    lag: int = 0  # update.lag: 1 trains the previous iteration's rollout while this one's is scored
+    compile: str = "off"  # train.compile: off, blocks, or model (predicted as blocks: FSDP2's hooks split it)
+    compile_speedup: float = COMPILE_SPEEDUP  # compiled, the no-grad forwards' compute is divided by this
+    compile_train_speedup: float = 1.0  # compiled, the training micro-steps' compute is divided by this
 
     @property
     def samples(self) -> int:
         return self.prompts_per_rank * self.group_size
+
+    @property
+    def forward_speedup(self) -> float:
+        """What divides the compute of a forward without grad (rollout, old log-probs): 1 when not compiled."""
+        return 1.0 if self.compile == "off" else self.compile_speedup
+
+    @property
+    def train_speedup(self) -> float:
+        """What divides the compute of a training micro-step (forward and backward): 1 when not compiled."""
+        return 1.0 if self.compile == "off" else self.compile_train_speedup
 
     def check(self, micro_batch: int, lora: bool) -> None:
         for name, value in (
@@ -104,6 +126,23 @@ class RLKnobs:
             raise PlanError(
                 f"--chunks {self.chunks!r} is invalid: an int in [1, {self.samples}] (the samples per rank)"
             )
+        if self.lag not in (0, 1) or isinstance(self.lag, bool):
+            raise PlanError(f"--lag {self.lag!r} is invalid: 0 (on-policy) or 1 (update.lag)")
+        if self.lag and self.chunks > 1:
+            raise PlanError(f"--chunks {self.chunks} with --lag 1: the trainer refuses it (rollout.chunks=1 there)")
+        if self.compile not in COMPILE_MODES:
+            raise PlanError(f"--compile {self.compile!r}: choose off, blocks or model (train.compile)")
+        for name, value in (
+            ("--compile-speedup", self.compile_speedup),
+            ("--compile-train-speedup", self.compile_train_speedup),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and value > 0
+            ):
+                raise PlanError(
+                    f"{name} {value!r} is invalid: a finite factor > 0 that divides the compute time (1: no "
+                    "gain, below 1: slower); fix: e.g. 1.5, or leave it out"
+                )
 
 
 @dataclass
@@ -312,8 +351,12 @@ def iteration_seconds(
     held: bool,
 ) -> dict[str, float]:
     """Seconds per phase: ``rollout_forward`` / ``train_step`` are ``hardware.step_seconds`` terms of one rollout
-    forward (at the rollout's batch) and one training micro-step; ``gather_seconds`` what gathering every
-    parameter once takes. A gather is hidden behind the compute it overlaps (FSDP prefetches the next block)."""
+    forward (at the rollout's batch) and one training micro-step, eager; ``gather_seconds`` what gathering every
+    parameter once takes. A gather is hidden behind the compute it overlaps (FSDP prefetches the next block).
+    Compiled (``rl.compile``), each compute term is divided by its speedup before anything else (the collectives
+    move the same bytes; less compute hides less of the gathers), the rewards' exposed time included."""
+    rollout_forward = compute_scaled(rollout_forward, rl.forward_speedup)
+    train_step = compute_scaled(train_step, rl.train_speedup)
     fwd = rollout_forward["compute"] + rollout_forward["sp_comm"]
     exposed = max(0.0, gather_seconds - rollout_forward["compute"])
     rollout = rl.num_steps * fwd + (exposed if held else rl.num_steps * exposed)
@@ -321,7 +364,7 @@ def iteration_seconds(
     micro_batches = rl.samples // micro_batch
     old = rl.trained_steps * (fwd + (0.0 if held else micro_batches * exposed)) if rl.recompute_old_log_probs else 0.0
     train = rl.samples // micro_batch * rl.trained_steps * train_step["total"]
-    reward = exposed_reward_seconds(rollout, old, rl)
+    reward = exposed_reward_seconds(rollout, old, rl, train)
     return {
         "rollout": rollout,
         "old_log_probs": old,
@@ -331,13 +374,16 @@ def iteration_seconds(
     }
 
 
-def exposed_reward_seconds(rollout: float, old_log_probs: float, rl: RLKnobs) -> float:
+def exposed_reward_seconds(rollout: float, old_log_probs: float, rl: RLKnobs, train: float = 0.0) -> float:
     """The rewards' time the iteration waits for: all of it after the rollout (``chunks`` 1), else what a pipeline
     of ``chunks`` equal pieces leaves after the rollout and the old log-probs (chunk i scored from when it is
     sampled and the scoring of chunk i - 1 is done). A chunk's forwards are taken to cost their share of the
     rollout's: a GPU that a smaller batch leaves idle, or a model that per-forward overhead dominates, loses some of
-    it (docs/benchmarks.md measures both)."""
+    it (docs/benchmarks.md measures both). ``lag`` 1: a rollout is scored from its end until the next iteration
+    needs it, after its old log-probs, an update (``train``), the next rollout and its old log-probs."""
     total = rl.samples * rl.reward_seconds
+    if rl.lag:
+        return max(0.0, total - (2 * old_log_probs + train + rollout))
     if rl.chunks <= 1 or total == 0.0:
         return total
     piece, score = rollout / rl.chunks, total / rl.chunks
