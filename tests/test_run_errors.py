@@ -99,22 +99,29 @@ def failures(tmp_path_factory):
     (root / "prompts.txt").write_text("a red cat\na blue dog\n")  # a .txt file: rows without fields
     (root / "checkpoint").mkdir()
     (root / "checkpoint" / "checkpoints").write_text("a file where the checkpoints folder goes")
-    port = _free_port()  # a reward server that dies in the run's second iteration (2 requests an iteration)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "sp_diffusers.cli", "reward-server", "--port", str(port), "--reward",
-         f"{root / 'rewards.py'}:dies_at_its_third_request"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    _wait_for(f"http://127.0.0.1:{port}/health")
-    url_entry = f"[{{url: 'http://127.0.0.1:{port}', input: latents, retries: 1, timeout: 30}}]"
-    server_killed = _argv(root, "server_killed", "fine", "--set", f"flowgrpo.rewards={url_entry}", "--set",
+    # reward servers that die in the run's second iteration (2 requests an iteration): one beside a chunked
+    # rollout, one beside a lagged update (update.lag: iteration 1 trains its own rollout before its checkpoint)
+    ports, servers = [_free_port(), _free_port()], []
+    for port in ports:
+        servers.append(subprocess.Popen(
+            [sys.executable, "-m", "sp_diffusers.cli", "reward-server", "--port", str(port), "--reward",
+             f"{root / 'rewards.py'}:dies_at_its_third_request"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))
+    for port in ports:
+        _wait_for(f"http://127.0.0.1:{port}/health")
+    url_entries = [f"[{{url: 'http://127.0.0.1:{port}', input: latents, retries: 1, timeout: 30}}]" for port in ports]
+    server_killed = _argv(root, "server_killed", "fine", "--set", f"flowgrpo.rewards={url_entries[0]}", "--set",
                           "rollout.chunks=2", "--set", "train.save_every=1", "--iterations", "2")
+    server_killed_lagged = _argv(root, "server_killed_lagged", "fine", "--set", f"flowgrpo.rewards={url_entries[1]}",
+                                 "--set", "update.lag=1", "--set", "train.save_every=1", "--iterations", "2")
     stale_wandb = {  # a key W&B's server refuses or cannot be asked about: here a server that is not there
         "WANDB_API_KEY": "a" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_INIT_TIMEOUT": "5",
         "WANDB_MODE": "online", "WANDB_SILENT": "true", "WANDB_DIR": str(root),
     }
     cases = [
         ("server_killed", server_killed, {}),
+        ("server_killed_lagged", server_killed_lagged, {}),
         ("wandb_unreachable", _argv(root, "wandb_unreachable", "fine", "--set", "train.loggers=[jsonl, wandb]"),
          stale_wandb),
         ("rank1_raises", _argv(root, "rank1_raises", "rank1_fails"), {}),
@@ -127,8 +134,9 @@ def failures(tmp_path_factory):
     try:
         return root, run_distributed("tests.workers.run_failures:train_failures", 2, cases, timeout=900)
     finally:
-        server.kill()
-        server.wait(timeout=30)
+        for server in servers:
+            server.kill()
+            server.wait(timeout=30)
 
 
 def _free_port() -> int:
@@ -172,6 +180,9 @@ def _block(stderr: str) -> str:
                            "prompt (a .jsonl line's; {} for a .txt file)"]),
         ("server_killed", 1, ["flowgrpo.rewards: on rank 0, reward 'http://127.0.0.1:", "reward server http://127.0.0.1:",
                               "(after 2 tries); every rank stops; fix: start it with `sp-diffusers reward-server"]),
+        # the server dies at the first request for rollout 2, and the other rank's finds it gone: both fail
+        ("server_killed_lagged", 1, ["flowgrpo.rewards: on rank 0 (failing ranks: [0, 1]), reward 'http://127.0.0.1:",
+                                     "(after 2 tries); every rank stops; fix: start it with `sp-diffusers reward-server"]),
         ("wandb_unreachable", 2, ["train.loggers failed on rank 0", "W&B did not start (", "fix: check the network "
                                   "and the key (wandb login), or WANDB_MODE=offline"]),
         ("checkpoint", 2, ["preparing checkpoint folder ", "failed on rank 0",
@@ -195,9 +206,13 @@ def test_nothing_written_before_the_failure_is_lost(failures):
     assert [json.loads(x)["iteration"] for x in lines] == [1]  # the iteration trained before the save failed
     assert not (root / "rank1_raises" / "checkpoints").exists()  # no checkpoint of a run whose reward failed
     # the reward server died in iteration 2: iteration 1's row and checkpoint are kept, for the rerun to resume
-    lines = (root / "server_killed" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["iteration"] for x in lines] == [1]
-    assert [p.name for p in (root / "server_killed" / "checkpoints").iterdir() if p.is_dir()] == ["step-00000001"]
+    for name in ("server_killed", "server_killed_lagged"):
+        lines = (root / name / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(x)["iteration"] for x in lines] == [1], name
+        assert [p.name for p in (root / name / "checkpoints").iterdir() if p.is_dir()] == ["step-00000001"], name
+    # lagged: iteration 1 trained nothing of its own until its checkpoint drained its rollout into it
+    first = json.loads((root / "server_killed_lagged" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["update_skipped"] == 1.0 and "drain/loss" in first
 
 
 def test_the_traceback_is_behind_the_switch(failures):

@@ -398,6 +398,7 @@ class FlowGRPOTrainer:
         return metrics
 
     def train_pending(self, sampled: Sampled) -> dict[str, Any]:
+        """A lagged rollout's scores awaited (its scoring thread stopped after), then the update on it."""
         try:
             advantages, stats = self.scored(sampled)
         finally:
