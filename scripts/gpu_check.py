@@ -1,6 +1,6 @@
 """The GPU acceptance check behind ``scripts/gpu_check.sh``: one JSON line per check, exit status 1 on a failure.
 
-    python scripts/gpu_check.py [--device cuda|cpu] [--only demo parity engine_step] [--quick] [--json-out F]
+    python scripts/gpu_check.py [--device cuda|cpu] [--only demo parity engine_step compile] [--quick] [--json-out F]
 
 Checks (``--device cuda``: sized for one H200, a few minutes in all):
 
@@ -18,6 +18,11 @@ Checks (``--device cuda``: sized for one H200, a few minutes in all):
   materialised on the GPU. ``forward_backward`` runs under ``torch.cuda.set_sync_debug_mode("error")``: any
   host sync there fails the check with its location; the rest of the step may sync once (the metrics and
   gradient norm, read together).
+
+- ``compile``: eager against ``train.compile: blocks`` on one GPU (2 Wan2.1-14B blocks, bf16, 8,190 tokens), a
+  forward without grad and a forward + backward: the two speedups ``plan --rl --compile blocks`` assumes
+  (``--compile-speedup``, ``--compile-train-speedup``), measured; the compiled output equal to eager's within the
+  parity tolerance.
 
 ``--device cpu`` is the dry mode CI runs so that this script cannot rot: the same code on gloo/CPU at toy sizes
 (the math and flash kernels; efficient and cuDNN have no CPU kernel and report a skip), host syncs counted by a
@@ -49,9 +54,9 @@ if ROOT not in sys.path:
     sys.path.append(ROOT)
 
 import torch  # noqa: E402
-from gpu_check_parity import _result, check_parity  # noqa: E402
+from gpu_check_parity import BF16_TOL, FP32_TOL, _result, check_parity  # noqa: E402
 
-CHECKS = ("demo", "parity", "engine_step")
+CHECKS = ("demo", "parity", "engine_step", "compile")
 
 
 # ------------------------------------------------------------------------------------------------- demo
@@ -247,6 +252,103 @@ def check_engine_step(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
+# ------------------------------------------------------------------------------------------------ compile
+
+
+def check_compile(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Eager against ``compile_model(model, "blocks")`` on one device: 2 Wan2.1-14B blocks (bf16) at 8,190 video
+    tokens, a forward without grad (a rollout step) and a forward + backward (a training micro-step), interleaved,
+    medians. Their ratios are what ``plan --rl --compile blocks`` takes as ``--compile-speedup`` and
+    ``--compile-train-speedup``; the compiled output must equal eager's within the parity tolerance."""
+    import copy
+
+    from diffusers import WanTransformer3DModel
+
+    from sp_diffusers.engine.compiling import compile_model
+
+    start = time.perf_counter()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    big = args.device == "cuda" and not args.quick
+    block = WAN14B_BLOCK if big else TINY_BLOCK
+    frames, height, width = (21, 30, 52) if big else (2, 8, 8)  # 21 x 15 x 26 = 8,190 tokens on a GPU
+    text, repeats = (512, 5) if big else (16, 2)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = dict(block, num_layers=2, patch_size=(1, 2, 2), in_channels=16, out_channels=16)
+    torch.manual_seed(0)
+    with torch.device(device):
+        eager = WanTransformer3DModel(**config).to(dtype)
+    compiled = copy.deepcopy(eager)
+    compile_model(compiled, "blocks")
+    g = torch.Generator(device=device).manual_seed(0)
+    batch = {
+        "hidden_states": torch.randn(1, 16, frames, height, width, generator=g, device=device, dtype=dtype),
+        "encoder_hidden_states": torch.randn(1, text, block["text_dim"], generator=g, device=device, dtype=dtype),
+        "timestep": torch.full((1,), 500.0, device=device),
+    }
+
+    def forward(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return m(**batch, return_dict=False)[0]
+
+    def train(m: torch.nn.Module) -> None:
+        m(**batch, return_dict=False)[0].float().square().mean().backward()
+        m.zero_grad(set_to_none=True)
+
+    def timed(fn: Any, m: torch.nn.Module) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(m)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    try:
+        t0 = time.perf_counter()
+        out, ref = forward(compiled), forward(eager)  # the first calls compile
+        train(compiled)
+        compile_seconds = time.perf_counter() - t0
+        times: dict[str, list[float]] = {k: [] for k in ("fwd_eager", "fwd_blocks", "train_eager", "train_blocks")}
+        for _ in range(repeats):  # interleaved: the device's clocks and neighbours move both alike
+            times["fwd_eager"].append(timed(forward, eager))
+            times["fwd_blocks"].append(timed(forward, compiled))
+            times["train_eager"].append(timed(train, eager))
+            times["train_blocks"].append(timed(train, compiled))
+    except Exception as err:
+        return [
+            _result(
+                "compile",
+                False,
+                seconds=time.perf_counter() - start,
+                detail=f"{type(err).__name__}: {str(err)[:600]}",
+                trace=traceback.format_exc()[-2500:],
+            )
+        ]
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    ref, out = ref.float(), out.float()
+    err = (out - ref).abs()
+    if dtype == torch.float32:
+        atol, rtol = FP32_TOL
+        ok = bool((err <= atol + rtol * ref.abs()).all())
+    else:
+        ok = bool((err <= BF16_TOL * (ref.abs() + ref.abs().max())).all())
+    tokens = frames * (height // 2) * (width // 2)
+    return [
+        _result(
+            f"compile/wan_2_blocks/{tokens}_tokens",
+            ok and all(v > 0 for v in med.values()),
+            max_error=float(err.max()),
+            max_memory_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            seconds=time.perf_counter() - start,
+            compile_seconds=compile_seconds,
+            compile_speedup=med["fwd_eager"] / med["fwd_blocks"],
+            compile_train_speedup=med["train_eager"] / med["train_blocks"],
+            median_seconds=med,
+            detail=f"{dtype}, medians of {repeats} interleaved; plan --rl --compile blocks --compile-speedup "
+            f"{med['fwd_eager'] / med['fwd_blocks']:.2f} --compile-train-speedup "
+            f"{med['train_eager'] / med['train_blocks']:.2f}",
+        )
+    ]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -267,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(
             "--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); --device cpu dry-runs"
         )
-    runners = {"demo": check_demo, "parity": check_parity, "engine_step": check_engine_step}
+    runners = {"demo": check_demo, "parity": check_parity, "engine_step": check_engine_step, "compile": check_compile}
     lines: list[dict[str, Any]] = []
     start = time.perf_counter()
     for name in args.only:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance check: one command for a machine with one or more NVIDIA GPUs and no network.
 #
-#   bash scripts/gpu_check.sh [--wheels DIR] [--device cuda|cpu] [--only demo parity engine_step] [--json-out F]
+#   bash scripts/gpu_check.sh [--wheels DIR] [--device cuda|cpu] [--only demo parity engine_step compile] [--json-out F]
 #
 # torch must be installed already (CUDA build). diffusers (and what it needs that the machine lacks, e.g.
 # importlib_metadata), peft and transformers may come as wheels in DIR: they are installed, offline, into a

@@ -3,7 +3,8 @@
 What the dry mode holds by itself: the demo under torchrun at world 1, Ulysses parity on 2 ranks in fp32 and
 bf16 for every SDPA kernel the CPU has (math, flash; efficient and cuDNN must report a skip, not a failure),
 and an engine step whose ``forward_backward`` reads nothing back to the host (``aten._local_scalar_dense``
-counted by a dispatch mode, the CPU stand-in for CUDA's sync debug mode).
+counted by a dispatch mode, the CPU stand-in for CUDA's sync debug mode), and compiled blocks equal to eager with
+both of their speedups measured.
 """
 
 from __future__ import annotations
@@ -41,5 +42,8 @@ def test_gpu_check_dry_run_passes_every_check():
     step = next(r for name, r in by_name.items() if name.startswith("engine_step/"))
     assert step["pass"] is True and step["host_syncs_in_forward_backward"] == 0
     assert step["host_syncs_in_rest_of_step"] <= 1 and step["loss"] > 0
+    compiled = next(r for name, r in by_name.items() if name.startswith("compile/"))
+    assert compiled["pass"] is True and compiled["max_error"] <= 1e-4  # fp32 parity tolerance, asserted inside
+    assert compiled["compile_speedup"] > 0 and compiled["compile_train_speedup"] > 0
     for r in lines[:-1]:
         assert set(r) >= {"check", "pass", "max_error", "max_memory_allocated", "seconds"}
