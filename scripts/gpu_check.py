@@ -220,15 +220,7 @@ def check_engine_step(args: argparse.Namespace) -> list[dict[str, Any]]:
         _sync(device)
         seconds = time.perf_counter() - t0
     except Exception as err:
-        return [
-            _result(
-                "engine_step",
-                False,
-                seconds=time.perf_counter() - start,
-                detail=f"{type(err).__name__}: {str(err)[:600]}",
-                trace=traceback.format_exc()[-2500:],
-            )
-        ]
+        return [_failed("engine_step", err, start)]
     rate = achieved(flops.get_total_flops(), seconds, dtype, device)
     rest = len(syncs) - len(inside)  # on CPU the outer count includes the inner one
     ok = not inside and rest <= 1 and all(v == v for v in metrics.values() if isinstance(v, float))
@@ -313,15 +305,7 @@ def check_compile(args: argparse.Namespace) -> list[dict[str, Any]]:
             times["train_eager"].append(timed(train, eager))
             times["train_blocks"].append(timed(train, compiled))
     except Exception as err:
-        return [
-            _result(
-                "compile",
-                False,
-                seconds=time.perf_counter() - start,
-                detail=f"{type(err).__name__}: {str(err)[:600]}",
-                trace=traceback.format_exc()[-2500:],
-            )
-        ]
+        return [_failed("compile", err, start)]
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     ref, out = ref.float(), out.float()
     err = (out - ref).abs()
@@ -347,6 +331,17 @@ def check_compile(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"{med['train_eager'] / med['train_blocks']:.2f}",
         )
     ]
+
+
+def _failed(check: str, err: Exception, start: float) -> dict[str, Any]:
+    """The line of a check that raised: its error and the end of its traceback."""
+    return _result(
+        check,
+        False,
+        seconds=time.perf_counter() - start,
+        detail=f"{type(err).__name__}: {str(err)[:600]}",
+        trace=traceback.format_exc()[-2500:],
+    )
 
 
 def _sync(device: torch.device) -> None:
